@@ -1,0 +1,74 @@
+// Shared device code: element types of activations (T) and caches, vector loads, conversions.
+// Every piece of dtype math used by more than one kernel lives here, once.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#define CUPA_DEVICE __device__ __forceinline__
+#define CUPA_NEG_INF __int_as_float(0xff800000)
+
+// ---- activations ----------------------------------------------------------------------
+template <typename T> struct Act;
+template <> struct Act<float> {
+  static CUPA_DEVICE float to_float(float x) { return x; }
+  static CUPA_DEVICE float from_float(float x) { return x; }
+};
+template <> struct Act<__half> {
+  static CUPA_DEVICE float to_float(__half x) { return __half2float(x); }
+  static CUPA_DEVICE __half from_float(float x) { return __float2half_rn(x); }
+};
+template <> struct Act<__nv_bfloat16> {
+  static CUPA_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static CUPA_DEVICE __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+// Round a float to T and back: the value a T tensor would hold.
+template <typename T> CUPA_DEVICE float round_to(float x) { return Act<T>::to_float(Act<T>::from_float(x)); }
+
+// ---- 8-element vectors ----------------------------------------------------------------
+// Kernels move 8 consecutive elements at a time: 16 bytes for 16-bit types, two 16-byte
+// loads for float, 8 bytes for 1-byte cache codes. head_size % 8 == 0 keeps them aligned.
+template <int BYTES> struct VecBytes;
+template <> struct VecBytes<8> { using type = uint2; };
+template <> struct VecBytes<16> { using type = uint4; };
+template <> struct VecBytes<32> { struct type { uint4 a, b; }; };
+
+template <typename E> struct Vec8 {
+  using raw = typename VecBytes<8 * sizeof(E)>::type;
+  raw v;
+  CUPA_DEVICE void load(const E* p) { v = *reinterpret_cast<const raw*>(p); }
+  CUPA_DEVICE void load_nc(const E* p) {
+    // Read-only path: caches are not written by the kernel that reads them.
+    v = __ldg(reinterpret_cast<const raw*>(p));
+  }
+  CUPA_DEVICE void store(E* p) const { *reinterpret_cast<raw*>(p) = v; }
+  CUPA_DEVICE const E* elems() const { return reinterpret_cast<const E*>(&v); }
+  CUPA_DEVICE E* elems() { return reinterpret_cast<E*>(&v); }
+};
+template <> CUPA_DEVICE void Vec8<float>::load_nc(const float* p) {
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+  v.a = __ldg(q);
+  v.b = __ldg(q + 1);
+}
+
+// Load 8 activations as floats.
+template <typename T> CUPA_DEVICE void load8(const T* p, float (&out)[8]) {
+  Vec8<T> v;
+  v.load(p);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = Act<T>::to_float(v.elems()[i]);
+}
+
+// Store 8 floats as T (round to nearest even).
+template <typename T> CUPA_DEVICE void store8(T* p, const float (&in)[8]) {
+  Vec8<T> v;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v.elems()[i] = Act<T>::from_float(in[i]);
+  v.store(p);
+}
+
+CUPA_DEVICE float warp_sum(float x, int width = 32) {
+  for (int off = width / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off, width);
+  return x;
+}

@@ -1,0 +1,210 @@
+// Paged flash-decoding (CUDA cores; every T and cache type).
+// One CTA owns (query token t, KV head g, a chunk of <= GT query heads of g's group, KV split s).
+// It reads the token's sequence, position and admitted key range from cum / past_seqlens /
+// query_positions on the device, then streams the keys of split s (absolute positions
+// [s*chunk, (s+1)*chunk) intersected with the admitted range) through the block table.
+// Lanes split the head dimension into 8-element chunks (16-byte loads for 16-bit caches);
+// LPK lanes cover one key, so a warp covers 32/LPK keys per step, several steps in flight.
+// Each subgroup keeps its own online-softmax state; states are merged in a fixed order
+// (xor tree within the warp, warps 0..3 in the CTA), then either finalized into `out`
+// (num_splits == 1) or written as a partial (m, l, o) for paged_decode_merge.
+// Host values that size the launch: token_count, head counts, num_splits (from the static
+// capacity or the attention_metadata bound) and chunk (static); none enters a mask.
+#include "common.cuh"
+#include "paged.cuh"
+#include "quant.cuh"
+#include "softmax.cuh"
+
+constexpr int DECODE_WARPS = 4;
+constexpr int MAX_HEAD_SIZE = 256;
+
+template <typename T, typename Cache, int GT>
+__global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
+    const T* __restrict__ q,  // (N, H, D): prologue output
+    const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
+    const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
+    const int* __restrict__ query_positions, const T* __restrict__ head_sink,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+    T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml,
+    int num_heads, int kv_num_heads, int head_size, int batch_size, int num_blocks, int block_size,
+    int max_blocks, int chunk, int num_splits, int rotary_max_pos, float scale, float softcap,
+    int window, int is_causal, int k_quant, int v_quant) {
+  constexpr int U = sizeof(typename Cache::storage) == 4 ? 2 : 4;  // keys in flight per subgroup
+  __shared__ float sm_m[DECODE_WARPS][GT], sm_l[DECODE_WARPS][GT];
+  __shared__ float sm_o[DECODE_WARPS][GT][MAX_HEAD_SIZE];
+
+  const int t = blockIdx.x, split = blockIdx.z;
+  const int H = num_heads, Hk = kv_num_heads, D = head_size, G = H / Hk;
+  const int chunks_per_kv = (G + GT - 1) / GT;
+  const int g = blockIdx.y / chunks_per_kv;
+  const int h0 = g * G + (blockIdx.y % chunks_per_kv) * GT;
+  const int nh = min(GT, g * G + G - h0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nchunk = D / 8;
+  int lpk = 1;
+  while (lpk < nchunk) lpk <<= 1;
+  const int kpi = 32 / lpk, ci = lane % lpk, sg = lane / lpk;
+  const bool lane_active = ci < nchunk;
+
+  const TokenInfo info = locate_token(t, cum, past, batch_size, query_positions,
+                                      (long long)max_blocks * block_size, rotary_max_pos);
+  int lo = 0, hi = 0;
+  if (info.valid) key_range(info, is_causal, window, lo, hi);
+  lo = max(lo, split * chunk);
+  hi = min(hi, (int)min((long long)(split + 1) * chunk, (long long)hi));
+
+  // q chunk for each head, with the K scale folded in (exact: the zero point is 0).
+  float qr[GT][8];
+  float kscale_t = (k_quant == QUANT_PER_TENSOR) ? k_scale[0] : 1.0f;
+#pragma unroll
+  for (int gi = 0; gi < GT; ++gi) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qr[gi][i] = 0.0f;
+    if (gi < nh && lane_active && hi > lo) {
+      load8(q + ((long long)t * H + h0 + gi) * D + ci * 8, qr[gi]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float ks = k_quant == QUANT_PER_CHANNEL ? k_scale[g * D + ci * 8 + i] : kscale_t;
+        qr[gi][i] *= ks * scale;
+      }
+    }
+  }
+
+  float m[GT], l[GT], acc[GT][8];
+#pragma unroll
+  for (int gi = 0; gi < GT; ++gi) {
+    m[gi] = CUPA_NEG_INF;
+    l[gi] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[gi][i] = 0.0f;
+  }
+
+  const long long row_stride = (long long)Hk * D;
+  const int step = DECODE_WARPS * kpi;
+  for (int base = lo + warp * kpi + sg; base - sg - warp * kpi < hi; base += U * step) {
+    Vec8<typename Cache::storage> kv[U], vv[U];
+    bool ok[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = base + u * step;
+      ok[u] = false;
+      if (k < hi) {
+        const int blk = physical_block(block_table, max_blocks, num_blocks, info.b, k / block_size);
+        if (blk >= 0) {
+          ok[u] = true;
+          if (lane_active) {
+            const long long off = ((long long)blk * block_size + k % block_size) * row_stride + (long long)g * D + ci * 8;
+            kv[u].load_nc(key_cache + off);
+            vv[u].load_nc(value_cache + off);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[8], vf[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        kf[i] = (ok[u] && lane_active) ? Cache::decode(kv[u].elems()[i]) : 0.0f;
+        vf[i] = (ok[u] && lane_active) ? Cache::decode(vv[u].elems()[i]) : 0.0f;
+      }
+#pragma unroll
+      for (int gi = 0; gi < GT; ++gi) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s = fmaf(qr[gi][i], kf[i], s);
+        for (int off = lpk / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (ok[u]) {
+          s = softcap_score(s, softcap);
+          const float m_new = fmaxf(m[gi], s);
+          const float c = rescale(m[gi], m_new);
+          const float p = __expf(s - m_new);
+          l[gi] = l[gi] * c + p;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[gi][i] = acc[gi][i] * c + p * vf[i];
+          m[gi] = m_new;
+        }
+      }
+    }
+  }
+
+  // Merge subgroups of the warp (xor tree), then warps in order.
+#pragma unroll
+  for (int gi = 0; gi < GT; ++gi) {
+    for (int off = lpk; off < 32; off <<= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m[gi], off);
+      const float l2 = __shfl_xor_sync(0xffffffffu, l[gi], off);
+      const float M = fmaxf(m[gi], m2);
+      const float c1 = rescale(m[gi], M), c2 = rescale(m2, M);
+      l[gi] = l[gi] * c1 + l2 * c2;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float a2 = __shfl_xor_sync(0xffffffffu, acc[gi][i], off);
+        acc[gi][i] = acc[gi][i] * c1 + a2 * c2;
+      }
+      m[gi] = M;
+    }
+    if (lane == 0) {
+      sm_m[warp][gi] = m[gi];
+      sm_l[warp][gi] = l[gi];
+    }
+    if (sg == 0 && lane_active) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sm_o[warp][gi][ci * 8 + i] = acc[gi][i];
+    }
+  }
+  __syncthreads();
+
+  for (int e = threadIdx.x; e < nh * D; e += blockDim.x) {
+    const int gi = e / D, d = e % D;
+    float M = CUPA_NEG_INF;
+    for (int w = 0; w < DECODE_WARPS; ++w) M = fmaxf(M, sm_m[w][gi]);
+    float L = 0.0f, O = 0.0f;
+    for (int w = 0; w < DECODE_WARPS; ++w) {
+      const float c = rescale(sm_m[w][gi], M);
+      L = L * 1.0f + sm_l[w][gi] * c;
+      O = O + sm_o[w][gi][d] * c;
+    }
+    const int h = h0 + gi;
+    if (num_splits == 1) {
+      const float sink = head_sink ? Act<T>::to_float(head_sink[h]) : 0.0f;
+      const float vs = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
+      out[((long long)t * H + h) * D + d] = Act<T>::from_float(finalize(M, L, O, head_sink != nullptr, sink, vs));
+    } else {
+      const long long row = ((long long)t * H + h) * num_splits + split;
+      part_o[row * D + d] = O;
+      if (d == 0) part_ml[row] = make_float2(M, L);
+    }
+  }
+}
+
+// Merge the splits of one (token, head): grid (N, H), threads over channels.
+// Splits are combined in index order; empty splits (l == 0) contribute nothing.
+template <typename T>
+__global__ void __launch_bounds__(128) paged_decode_merge(
+    const float* __restrict__ part_o, const float2* __restrict__ part_ml, const T* __restrict__ head_sink,
+    const float* __restrict__ v_scale, T* __restrict__ out, int num_heads, int kv_num_heads, int head_size,
+    int num_splits, int v_quant) {
+  const int t = blockIdx.x, h = blockIdx.y, D = head_size;
+  const int g = h / (num_heads / kv_num_heads);
+  const long long row0 = ((long long)t * num_heads + h) * num_splits;
+  float M = CUPA_NEG_INF;
+  for (int s = 0; s < num_splits; ++s) {
+    const float2 ml = part_ml[row0 + s];
+    if (ml.y > 0.0f) M = fmaxf(M, ml.x);
+  }
+  const float sink = head_sink ? Act<T>::to_float(head_sink[h]) : 0.0f;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float L = 0.0f, O = 0.0f;
+    for (int s = 0; s < num_splits; ++s) {
+      const float2 ml = part_ml[row0 + s];
+      if (ml.y > 0.0f) {
+        const float c = rescale(ml.x, M);
+        L = L * 1.0f + ml.y * c;
+        O = O + part_o[(row0 + s) * D + d] * c;
+      }
+    }
+    const float vs = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
+    out[((long long)t * num_heads + h) * D + d] = Act<T>::from_float(finalize(M, L, O, head_sink != nullptr, sink, vs));
+  }
+}

@@ -1,0 +1,26 @@
+"""cupa: paged-KV attention with ONNX Runtime ``com.microsoft::PagedAttention`` semantics.
+
+NumPy inputs run a float64 NumPy reference on the CPU; CuPy arrays and CUDA arrays exposing
+``__dlpack__`` (PyTorch, JAX) run CUDA kernels compiled at run time by ``cupy.RawModule``.
+"""
+
+from .api import PagedAttention, paged_attention
+from .contract import Attributes, Problem
+from .errors import PagedAttentionError
+from .helpers import compute_scale, dequantize, quantize, rope_cache
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "paged_attention", "PagedAttention", "PagedAttentionError", "Attributes", "Problem",
+    "rope_cache", "compute_scale", "quantize", "dequantize", "capture_graph", "__version__",
+]
+
+
+def __getattr__(name):
+    # The graph helper imports CuPy; keep `import cupa` free of it.
+    if name == "capture_graph":
+        from .graphs import capture_graph
+
+        return capture_graph
+    raise AttributeError(f"module 'cupa' has no attribute {name!r}")

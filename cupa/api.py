@@ -1,0 +1,208 @@
+"""The public entry points: ``paged_attention`` and the bound-attributes ``PagedAttention``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import arrays, dispatch
+from .contract import INPUT_NAMES, Attributes, Problem, metadata_values, validate
+from .errors import PagedAttentionError, fail
+
+_TENSOR_INPUTS = tuple(n for n in INPUT_NAMES if n != "attention_metadata")
+_N_INPUTS = len(INPUT_NAMES)
+_INPUT_INDEX = {name: i for i, name in enumerate(INPUT_NAMES)}
+_NONES = (None,) * _N_INPUTS
+
+
+def _describe(name: str, x):
+    """ArrayInfo of input ``name``; a non-array is a PagedAttentionError naming the input."""
+    if x is None:
+        return None
+    try:
+        return arrays.describe(x)
+    except (AttributeError, TypeError) as e:
+        raise fail(name, f"a {type(x).__module__}.{type(x).__qualname__}",
+                   "an array: NumPy, CuPy, or a CUDA array exposing __dlpack__ (PyTorch, JAX)") from e
+
+
+class PagedAttention:
+    """Attributes bound once, like an ONNX node; call it with the inputs.
+
+    Parameters
+    ----------
+    num_heads, kv_num_heads : int
+        H and Hk; ``num_heads % kv_num_heads == 0``.
+    **attributes
+        The other attributes of SPEC section 3 (``scale``, ``softcap``, ``local_window_size``,
+        ``is_causal``, ``do_rotary``, ``rotary_interleaved``, ``rotary_offset``, ``qk_norm_epsilon``,
+        ``k_quant_type``, ``v_quant_type``, ``k_cache_dtype``, ``v_cache_dtype``, ``kv_cache_layout``,
+        ``v_head_size``, ``qk_output``) with ONNX Runtime's defaults.
+
+    Examples
+    --------
+    >>> op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
+    >>> out = op(q, k, v, key_cache, value_cache, cum, past, block_table)
+    """
+
+    def __init__(self, *, num_heads: int = None, kv_num_heads: int = None, **attributes: Any):
+        if attributes:
+            known = Attributes.names()
+            for name in sorted(attributes):
+                if name not in known:
+                    hint = " (an input: pass it when calling the operator)" if name in INPUT_NAMES else ""
+                    raise PagedAttentionError(f"{name}: got an unknown attribute name{hint}; "
+                                              f"expected one of {list(known)}")
+        # num_heads / kv_num_heads default to None only so that leaving one out is a
+        # PagedAttentionError naming it (Attributes rejects None), like any other violation.
+        self.attributes = Attributes(num_heads=num_heads, kv_num_heads=kv_num_heads, **attributes)
+        self._problems = {}   # (metadata, (shape, dtype) per input) -> Problem; see _problem()
+
+    def __repr__(self) -> str:
+        default = Attributes(num_heads=1, kv_num_heads=1)
+        parts = [f"{k}={v!r}" for k, v in self.attributes.as_dict().items()
+                 if k in ("num_heads", "kv_num_heads") or v != getattr(default, k)]
+        return f"PagedAttention({', '.join(parts)})"
+
+    # -- planning -----------------------------------------------------------------
+    def _bind(self, args: tuple, kwargs: dict) -> dict:
+        """Map positional (ONNX order) and keyword inputs to {name: value or None}."""
+        n = len(args)
+        if n > _N_INPUTS:
+            raise PagedAttentionError(f"inputs: got {n} positional inputs; expected at most {_N_INPUTS} "
+                                      f"(the ONNX input order {list(INPUT_NAMES)})")
+        inputs = dict(zip(INPUT_NAMES, args + _NONES[n:] if n < _N_INPUTS else args))
+        for name, value in kwargs.items():
+            pos = _INPUT_INDEX.get(name)
+            if pos is None:
+                hint = (" (an attribute: bind it in PagedAttention(...))" if name in Attributes.names()
+                        else "")
+                raise PagedAttentionError(f"{name}: got an unknown input name{hint}; "
+                                          f"expected one of {list(INPUT_NAMES)}")
+            if pos < n:
+                raise PagedAttentionError(f"{name}: got it both positionally (input {pos}) and by keyword; "
+                                          "expected it once")
+            inputs[name] = value
+        return inputs
+
+    def _problem(self, inputs: dict) -> Problem:
+        """Validate the bound inputs (shapes, dtypes, attributes, host metadata) into a Problem.
+
+        validate() is a pure function of the attributes, the inputs' (shape, dtype) and the
+        metadata values, so its result is memoized per op on exactly that key: a repeated
+        call with the same shapes costs one tuple build and one dict lookup.
+        """
+        mdv = metadata_values(inputs["attention_metadata"])
+        try:
+            key = [mdv]
+            for x in map(inputs.__getitem__, _TENSOR_INPUTS):
+                key.append(None if x is None else (x.shape, x.dtype))
+            key = tuple(key)
+            problem = self._problems.get(key)
+        except (AttributeError, TypeError):   # not an array, or unhashable shape/dtype: no memo
+            key = problem = None
+        if problem is not None:
+            return problem
+        infos = {name: _describe(name, inputs[name]) for name in _TENSOR_INPUTS}
+        problem = validate(self.attributes, infos, mdv)
+        if key is not None:
+            if len(self._problems) >= 64:
+                self._problems.clear()
+            self._problems[key] = problem
+        return problem
+
+    def plan(self, *args, **kwargs):
+        """Validate the inputs and pick a backend; returns ``(problem, backend, inputs)``.
+
+        Every contract violation checkable from shapes, dtypes, attributes and the host values
+        of attention_metadata raises :class:`PagedAttentionError` here, before any backend runs.
+        """
+        inputs = self._bind(args, kwargs)
+        problem = self._problem(inputs)
+        backend = dispatch.select_backend(problem, inputs)
+        return problem, backend, inputs
+
+    def explain(self, *args, **kwargs) -> str:
+        """Which backend these inputs would run on and, for every other backend, why not."""
+        inputs = self._bind(args, kwargs)
+        problem = self._problem(inputs)
+        return dispatch.explain(problem, inputs)
+
+    # -- execution ----------------------------------------------------------------
+    def __call__(self, *args, out=None, stream=None, **kwargs):
+        """Run the operator. Returns ``output`` or ``(output, output_qk)`` when qk_output != 0.
+
+        The caches are updated in place. See :func:`paged_attention` for every input.
+        """
+        problem, backend, inputs = self.plan(*args, **kwargs)
+        return backend.run(problem, inputs, out=out, stream=stream)
+
+
+def paged_attention(query, key=None, value=None, key_cache=None, value_cache=None,
+                    cumulative_sequence_length=None, past_seqlens=None, block_table=None,
+                    cos_cache=None, sin_cache=None, slot_mapping=None, head_sink=None,
+                    q_norm_weight=None, k_norm_weight=None, k_scale=None, v_scale=None,
+                    attention_metadata=None, query_positions=None, attention_bias=None, *,
+                    num_heads: int, kv_num_heads: int, scale: float = 0.0, softcap: float = 0.0,
+                    local_window_size: int = -1, is_causal: int = 1, do_rotary: int = 0,
+                    rotary_interleaved: int = 0, rotary_offset: int = 0, qk_norm_epsilon: float = 1e-6,
+                    k_quant_type: str = "NONE", v_quant_type: str = "NONE", k_cache_dtype: str = "",
+                    v_cache_dtype: str = "", kv_cache_layout: str = "SEPARATE", v_head_size: int = 0,
+                    qk_output: int = 0, out=None, stream=None):
+    """Paged attention with ONNX Runtime ``com.microsoft::PagedAttention`` semantics.
+
+    Positional order is the ONNX input order, so ``paged_attention(*node_inputs, **node_attributes)``
+    runs an ONNX node (None for an absent input).
+
+    Parameters
+    ----------
+    query : (N, H*D) or packed (N, (H+2*Hk)*D) array of T (float16, bfloat16, float32)
+        Packed [Q|K|V] iff key and value are both absent (SEPARATE layout).
+    key, value : (N, Hk*D) arrays of T, optional
+        In LATENT layout key is the (N, D) latent row and value is absent.
+    key_cache, value_cache : (num_blocks, block_size, Hk, D) arrays of T_CACHE
+        Updated in place. T_CACHE is T, int8, float8_e4m3fn, or uint8 holding e4m3 bytes
+        (``k_cache_dtype=v_cache_dtype="float8e4m3fn"``). value_cache is absent in LATENT.
+    cumulative_sequence_length : (B+1,) int32
+        Sequence b owns packed tokens [cum[b], cum[b+1]).
+    past_seqlens : (B,) int32
+        Tokens already cached for each sequence.
+    block_table : (B, max_blocks) int32
+        Physical block of each logical block; -1 (or out of range) is unmapped and masked.
+    cos_cache, sin_cache : (max_pos, rotary_dim/2) arrays of T, optional
+        Required iff ``do_rotary=1``.
+    slot_mapping : (N,) int32, optional
+        Flat write slot ``block*block_size + offset`` per token; -1 skips the write.
+    head_sink : (H,) array of T, optional
+        Per-head sink logit added to the softmax denominator.
+    q_norm_weight, k_norm_weight : (D,) arrays of T, optional
+        RMSNorm gains for Q and K (together).
+    k_scale, v_scale : float32, (1,) PER_TENSOR or (Hk, 1, D) PER_CHANNEL, optional
+        Present iff the corresponding quant type is not NONE.
+    attention_metadata : host int32 sequence of 2 or 3 entries, optional
+        Replay-wide bounds [max_query_len_bound, max_kv_len_bound(, max_kv_len_lower_bound)], 0 = unknown.
+    query_positions : (N,) int32, optional
+        Explicit logical position of each token.
+    attention_bias : (B or 1, H or 1, q_capacity, kv_capacity) array of T, optional
+        Added to the scaled scores before softcap.
+    out : array, optional
+        Preallocated (N, H*v_head_size) output of T in the library and device of ``query``.
+    stream : optional
+        CUDA stream (CuPy stream, torch stream, or a raw pointer); default: the caller's current stream.
+
+    Returns
+    -------
+    output : (N, H*v_head_size) array of T, in the library of ``query``
+    output_qk : (H, N, kv_capacity) float32, only when ``qk_output != 0``
+    """
+    op = PagedAttention(num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, softcap=softcap,
+                        local_window_size=local_window_size, is_causal=is_causal, do_rotary=do_rotary,
+                        rotary_interleaved=rotary_interleaved, rotary_offset=rotary_offset,
+                        qk_norm_epsilon=qk_norm_epsilon, k_quant_type=k_quant_type, v_quant_type=v_quant_type,
+                        k_cache_dtype=k_cache_dtype, v_cache_dtype=v_cache_dtype,
+                        kv_cache_layout=kv_cache_layout, v_head_size=v_head_size, qk_output=qk_output)
+    return op(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens,
+              block_table, cos_cache, sin_cache, slot_mapping, head_sink, q_norm_weight, k_norm_weight,
+              k_scale, v_scale, attention_metadata, query_positions, attention_bias, out=out, stream=stream)
+
+
+__all__ = ["paged_attention", "PagedAttention", "Problem"]

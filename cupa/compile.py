@@ -1,0 +1,126 @@
+"""Offline compile check: ``python -m cupa.compile --check [--arch sm_80,sm_90] [--jobs N]``.
+
+Compiles every specialization of ``cupa.kernels.registry.all_specializations()`` for every
+architecture with NVRTC (no GPU needed) and prints one line per specialization x arch: registers,
+spill stores/loads, static shared memory, stack and compile time, then a summary. A WARNING line
+marks each kernel that spills (reported, not fatal). The exit status is 1 when any compile fails,
+2 when the registry cannot be loaded, 0 otherwise. ``--list`` prints the registry.
+
+NVRTC releases the GIL while it compiles, so a thread pool runs ``--jobs`` compiles at once. Run as
+a program it sets ``CUDA_CACHE_DISABLE=1`` (where a driver is installed, NVRTC would otherwise serve
+repeated compiles from the compute cache, without ptxas statistics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+from .jit import OfflineResult, Specialization, compile_offline, cuda_include_dirs, nvrtc_version
+
+DEFAULT_ARCHS = ("sm_80", "sm_90")
+
+
+class RegistryUnavailable(RuntimeError):
+    pass
+
+
+def registry_specializations() -> list:
+    """``cupa.kernels.registry.all_specializations()`` as a list; RegistryUnavailable when missing."""
+    if importlib.util.find_spec("cupa.kernels.registry") is None:
+        raise RegistryUnavailable("cupa.kernels.registry does not exist; it must define all_specializations() "
+                                  "returning the Specialization of every kernel cupa launches")
+    from .kernels import registry  # an error inside the registry propagates with its traceback
+
+    fn = getattr(registry, "all_specializations", None)
+    if fn is None:
+        raise RegistryUnavailable("cupa.kernels.registry has no all_specializations() "
+                                  "(it must return the Specialization of every kernel cupa launches)")
+    specs = list(fn())
+    bad = [s for s in specs if not isinstance(s, Specialization)]
+    if bad:
+        raise RegistryUnavailable(f"all_specializations() returned non-Specialization items, e.g. {bad[0]!r}")
+    return specs
+
+
+def check(specs, archs, jobs: int, out=None, verbose: bool = False) -> list:
+    """Compile ``specs`` x ``archs`` on ``jobs`` threads, printing a line as each finishes."""
+    out = sys.stdout if out is None else out
+    tasks = [(s, a) for s in dict.fromkeys(specs) for a in archs]
+    results: list = []
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [pool.submit(compile_offline, s, a) for s, a in tasks]
+        for fut in as_completed(futures):
+            r: OfflineResult = fut.result()
+            results.append(r)
+            print(r.summary(), file=out, flush=True)
+            if r.ok and not r.has_stats:
+                print(f"WARNING: {r.spec} on {r.arch}: no ptxas statistics (compute-cache hit)", file=out, flush=True)
+            if r.ok and r.spills:
+                print(f"WARNING: {r.spec} spills on {r.arch}: {r.spill_store_bytes} B stores, "
+                      f"{r.spill_load_bytes} B loads per thread ({r.registers} registers)", file=out, flush=True)
+            if not r.ok or verbose:
+                print("    " + r.log.strip().replace("\n", "\n    "), file=out, flush=True)
+    order = {t: i for i, t in enumerate(tasks)}
+    return sorted(results, key=lambda r: order[(r.spec, r.arch)])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupa.compile", description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true", help="compile every registered specialization offline")
+    mode.add_argument("--list", action="store_true", help="print the registered specializations")
+    parser.add_argument("--arch", default=",".join(DEFAULT_ARCHS),
+                        help="comma-separated real architectures (default %(default)s; sm_90a for wgmma)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: CPUs)")
+    parser.add_argument("--filter", default="", help="only specializations whose text contains this string")
+    parser.add_argument("--verbose", action="store_true", help="print NVRTC's log for every compile")
+    args = parser.parse_args(argv)
+
+    try:
+        specs = registry_specializations()
+    except RegistryUnavailable as exc:
+        print(f"ERROR: {exc}", file=sys.stderr)
+        return 2
+    if args.filter:
+        specs = [s for s in specs if args.filter in str(s)]
+    if not specs:
+        print("ERROR: no specializations to compile" + (f" match {args.filter!r}" if args.filter else
+              " (all_specializations() returned none)"), file=sys.stderr)
+        return 2
+
+    if args.list:
+        for s in specs:
+            print(f"{s.family:<12} {s.name_expression}" + (f"  [{' '.join(s.options)}]" if s.options else ""))
+        print(f"{len(specs)} specializations")
+        return 0
+
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    bad = [a for a in archs if not re.fullmatch(r"sm_\d+[af]?", a)]
+    if bad or not archs:
+        parser.error(f"--arch: got {args.arch!r}; expected real architectures like sm_80,sm_90,sm_90a")
+    major, minor = nvrtc_version()
+    print(f"NVRTC {major}.{minor}; headers: {cuda_include_dirs()[0]}; {len(specs)} specializations x "
+          f"{len(archs)} archs ({', '.join(archs)}) on {args.jobs} threads", flush=True)
+    start = time.perf_counter()
+    results = check(specs, archs, args.jobs, verbose=args.verbose)
+    wall = time.perf_counter() - start
+    failed = [r for r in results if not r.ok]
+    spilled = [r for r in results if r.ok and r.spills]
+    print(f"summary: {len(results) - len(failed)}/{len(results)} compiled, {len(failed)} failed, "
+          f"{len(spilled)} spill; {wall:.1f} s wall, {sum(r.seconds for r in results):.1f} s NVRTC")
+    for r in failed:
+        print(f"FAILED: {r.spec} on {r.arch}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    # With a driver installed, NVRTC answers a repeated compile from the CUDA compute cache and ptxas
+    # prints no statistics; the variable is read when NVRTC loads, so set it before the first compile.
+    os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
+    sys.exit(main())

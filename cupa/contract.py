@@ -1,0 +1,558 @@
+"""The PagedAttention contract in one place: attributes, derived sizes, validation.
+
+Everything here works from shapes, dtypes and attributes only (plus the host
+values of ``attention_metadata``); nothing reads device memory. ``validate``
+returns a :class:`Problem`, the single description of a call that the reference
+backend, the dispatcher and the CUDA kernels draw their sizes from.
+
+Every violation raises :class:`cupa.PagedAttentionError` naming the input or
+attribute, what it got and what it expected (SPEC section 4, seed section 15).
+"""
+
+from __future__ import annotations
+
+import collections.abc as _abc
+import math
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from .errors import PagedAttentionError, fail
+
+#: ONNX input order (SPEC section 1). Positional arguments follow it.
+INPUT_NAMES = (
+    "query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length",
+    "past_seqlens", "block_table", "cos_cache", "sin_cache", "slot_mapping", "head_sink",
+    "q_norm_weight", "k_norm_weight", "k_scale", "v_scale", "attention_metadata",
+    "query_positions", "attention_bias",
+)
+
+QUANT_TYPES = ("NONE", "PER_TENSOR", "PER_CHANNEL")
+LAYOUTS = ("SEPARATE", "LATENT")
+FLOAT_TYPES = ("float16", "bfloat16", "float32")
+#: k/v_cache_dtype vocabulary -> canonical array dtype name it denotes ("" = the array's own).
+CACHE_DTYPE_NAMES = {
+    "": None, "float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
+    "int8": "int8", "float8e4m3fn": "float8_e4m3fn", "int4": "uint8", "float4e2m1": "uint8",
+}
+SUB_BYTE = ("int4", "float4e2m1")
+FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What validation needs to know about one array: its shape and canonical dtype name."""
+
+    shape: tuple
+    dtype: str
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class Attributes:
+    """The node attributes of SPEC section 3, validated on construction.
+
+    Every rule that depends on attributes alone lives here, so a bad node fails when it is
+    built (``cupa.PagedAttention(...)``), before any input is seen. String attributes may be
+    given as ``bytes`` (what ``onnx.helper.get_attribute_value`` returns); they are decoded.
+    """
+
+    num_heads: int
+    kv_num_heads: int
+    scale: float = 0.0
+    softcap: float = 0.0
+    local_window_size: int = -1
+    is_causal: int = 1
+    do_rotary: int = 0
+    rotary_interleaved: int = 0
+    rotary_offset: int = 0
+    qk_norm_epsilon: float = 1e-6
+    k_quant_type: str = "NONE"
+    v_quant_type: str = "NONE"
+    k_cache_dtype: str = ""
+    v_cache_dtype: str = ""
+    kv_cache_layout: str = "SEPARATE"
+    v_head_size: int = 0
+    qk_output: int = 0
+
+    def __post_init__(self):
+        def integer(name, low=None):
+            v = getattr(self, name)
+            if v is None:
+                raise fail(name, "None (absent)", "an integer" + ("" if low is None else f" >= {low}")
+                           + (" (a required attribute)" if name in ("num_heads", "kv_num_heads") else ""))
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise fail(name, f"{v!r} ({type(v).__name__})", "an integer")
+            v = int(v)
+            object.__setattr__(self, name, v)
+            if low is not None and v < low:
+                raise fail(name, v, f"an integer >= {low}")
+
+        def real(name):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise fail(name, f"{v!r} ({type(v).__name__})", "a real number")
+            v = float(v)
+            if not math.isfinite(v):
+                raise fail(name, v, "a finite number")
+            object.__setattr__(self, name, v)
+
+        def flag(name):
+            integer(name)
+            if getattr(self, name) not in (0, 1):
+                raise fail(name, getattr(self, name), "0 or 1")
+
+        def choice(name, allowed):
+            v = getattr(self, name)
+            if isinstance(v, (bytes, np.bytes_)):
+                v = bytes(v).decode("utf-8", "replace")
+                object.__setattr__(self, name, v)
+            elif isinstance(v, np.str_):
+                v = str(v)
+                object.__setattr__(self, name, v)
+            if not isinstance(v, str) or v not in allowed:
+                raise fail(name, repr(v), "one of " + ", ".join(repr(a) for a in allowed))
+
+        integer("num_heads", 1)
+        integer("kv_num_heads", 1)
+        if self.num_heads % self.kv_num_heads:
+            raise fail("kv_num_heads", self.kv_num_heads,
+                       f"a divisor of num_heads={self.num_heads} (num_heads % kv_num_heads == 0)")
+        real("scale")
+        if self.scale < 0:
+            raise fail("scale", self.scale, "0 (meaning 1/sqrt(head_size)) or a positive number")
+        real("softcap")
+        if self.softcap < 0:
+            raise fail("softcap", self.softcap, "0 (off) or a positive number")
+        integer("local_window_size")
+        if self.local_window_size == 0 or self.local_window_size < -1:
+            raise fail("local_window_size", self.local_window_size, "-1 (no window) or a positive window W")
+        flag("is_causal")
+        flag("do_rotary")
+        flag("rotary_interleaved")
+        integer("rotary_offset", 0)
+        if self.rotary_offset % 8:
+            raise fail("rotary_offset", self.rotary_offset, "a multiple of 8")
+        real("qk_norm_epsilon")
+        if self.qk_norm_epsilon <= 0:
+            raise fail("qk_norm_epsilon", self.qk_norm_epsilon, "a positive number")
+        choice("k_quant_type", QUANT_TYPES)
+        choice("v_quant_type", QUANT_TYPES)
+        for name in ("k_cache_dtype", "v_cache_dtype"):
+            v = getattr(self, name)
+            if isinstance(v, str) and v.startswith("uint"):
+                raise fail(name, repr(v), "a signed, zero-symmetric type ('', 'float16', 'bfloat16', 'float32', "
+                           "'int8', 'float8e4m3fn'): quantization here has no zero point, so unsigned logical "
+                           "types are not in the vocabulary")
+            choice(name, tuple(CACHE_DTYPE_NAMES))
+            if getattr(self, name) in SUB_BYTE:
+                raise fail(name, repr(getattr(self, name)),
+                           "'', the cache's own type, 'int8' or 'float8e4m3fn': packed sub-byte caches "
+                           "('int4', 'float4e2m1') are not supported yet")
+        choice("kv_cache_layout", LAYOUTS)
+        integer("v_head_size", 0)
+        integer("qk_output")
+        if self.qk_output not in (0, 1, 2):
+            raise fail("qk_output", self.qk_output, "0 (off), 1 (scores) or 2 (probabilities)")
+        if self.kv_cache_layout == "LATENT":
+            if self.kv_num_heads != 1:
+                raise fail("kv_num_heads", self.kv_num_heads, "1 in LATENT layout (one shared latent head)")
+            if self.v_quant_type != "NONE":
+                raise fail("v_quant_type", repr(self.v_quant_type),
+                           "'NONE' in LATENT layout (k_quant_type describes the one latent cache)")
+            if self.v_cache_dtype != "":
+                raise fail("v_cache_dtype", repr(self.v_cache_dtype), "'' in LATENT layout (V is a view of K)")
+
+    @classmethod
+    def names(cls) -> tuple:
+        return tuple(f.name for f in fields(cls))
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.names()}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Sizes and features of one call, derived from shapes, dtypes and attributes only.
+
+    Every backend takes its launch extents, workspace sizes and specialization from here.
+    """
+
+    attrs: Attributes
+    token_count: int            # N
+    batch_size: int             # B
+    num_heads: int              # H
+    kv_num_heads: int           # Hk
+    head_size: int              # D
+    v_head_size: int            # effective: D except in LATENT
+    group_size: int             # H // Hk
+    packed_qkv: bool
+    latent: bool
+    dtype: str                  # T: "float16" | "bfloat16" | "float32"
+    cache_array_dtype: str      # the cache arrays' own dtype name
+    cache_kind: str             # "T" | "int8" | "fp8"
+    fp8_as_bytes: bool          # fp8 cache held as uint8 bytes (CuPy)
+    k_quant: str
+    v_quant: str
+    num_blocks: int
+    block_size: int
+    max_blocks_per_seq: int     # block_table.shape[1]
+    scale: float                # effective softmax scale
+    rotary_dim: int             # 0 when do_rotary == 0
+    rotary_max_pos: int         # cos_cache.shape[0], 0 when no rotary
+    has_slot_mapping: bool
+    has_head_sink: bool
+    has_qk_norm: bool
+    has_query_positions: bool
+    has_bias: bool
+    bias_shape: tuple           # (Bb, Hb, q_capacity, kv_capacity_bias) or ()
+    has_metadata: bool
+    max_query_len_bound: int    # launch bound on new tokens of one sequence
+    max_kv_len_bound: int       # launch bound on kv length of one sequence (= kv_capacity)
+    max_kv_len_lower_bound: int  # speed hint only
+    kv_capacity: int            # SPEC section 2; width of output_qk
+
+    @property
+    def static_kv_capacity(self) -> int:
+        return self.max_blocks_per_seq * self.block_size
+
+    @property
+    def output_shape(self) -> tuple:
+        return (self.token_count, self.num_heads * self.v_head_size)
+
+    @property
+    def output_qk_shape(self) -> tuple:
+        return (self.num_heads, self.token_count, self.kv_capacity)
+
+    @property
+    def quantized(self) -> bool:
+        return self.cache_kind != "T"
+
+
+#: output_qk larger than this many bytes is refused (seed 11.2: "a configurable byte threshold").
+QK_OUTPUT_MAX_BYTES = 1 << 34
+
+_INT32_MAX = (1 << 31) - 1
+
+
+def _dims(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + (",)" if len(shape) == 1 else ")")
+
+
+def _need(infos, name, what):
+    info = infos.get(name)
+    if info is None:
+        raise fail(name, "None (absent)", what)
+    return info
+
+
+def _check_rank(info: ArrayInfo, name: str, rank: int, what: str):
+    if len(info.shape) != rank:
+        raise fail(name, f"shape {_dims(info.shape)} (rank {len(info.shape)})", f"rank {rank}: {what}")
+
+
+def _check_dtype(info: ArrayInfo, name: str, expected: str, why: str = ""):
+    if info.dtype != expected:
+        raise fail(name, f"dtype {info.dtype}", f"dtype {expected}" + (f" ({why})" if why else ""))
+
+
+def _check_shape(info: ArrayInfo, name: str, expected: tuple, what: str = ""):
+    if tuple(info.shape) != expected:
+        raise fail(name, f"shape {_dims(info.shape)}", f"shape {_dims(expected)}" + (f" {what}" if what else ""))
+
+
+_MD_EXPECTED = "int32 host values: a list/tuple or NumPy int32 array"
+_MD_SHAPE = "2 or 3 entries [max_query_len_bound, max_kv_len_bound(, max_kv_len_lower_bound)]"
+
+
+def metadata_values(md) -> Optional[tuple]:
+    """Read attention_metadata on the host and validate it; returns a tuple of 2 or 3 ints, or None.
+
+    attention_metadata lives in host memory: a list/tuple of ints or a NumPy int32 array of
+    shape (2,) or (3,), every entry >= 0 (0 = unknown). A device array is an error: the value
+    is read on the host once, and reading device memory back would synchronize.
+    """
+    if md is None:
+        return None
+    if isinstance(md, np.ndarray):
+        if md.dtype != np.int32:
+            raise fail("attention_metadata", f"dtype {md.dtype}", "dtype int32 (no silent casts of index inputs)")
+        if md.ndim != 1 or md.shape[0] not in (2, 3):
+            raise fail("attention_metadata", f"shape {_dims(md.shape)}", f"shape (2,) or (3,): {_MD_SHAPE}")
+        vals = tuple(md.tolist())
+    elif isinstance(md, (list, tuple)) or (isinstance(md, _abc.Sequence) and not isinstance(md, (str, bytes))):
+        if len(md) not in (2, 3):
+            raise fail("attention_metadata", f"{len(md)} entries", _MD_SHAPE)
+        vals = tuple(md)
+        if all(type(v) is int and -1 < v <= _INT32_MAX for v in vals):   # the common case: Python ints
+            return vals
+        for v in md:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise fail("attention_metadata", f"an entry {v!r} ({type(v).__name__})", _MD_EXPECTED)
+            if isinstance(v, np.integer) and v.dtype != np.int32:
+                raise fail("attention_metadata", f"an entry of dtype {v.dtype}", _MD_EXPECTED)
+        vals = tuple(int(v) for v in md)
+        if any(v > _INT32_MAX for v in vals):
+            raise fail("attention_metadata", list(vals), f"int32 entries (<= {_INT32_MAX})")
+    else:
+        mod = type(md).__module__.split(".")[0]
+        device = (mod in ("cupy", "jax", "jaxlib") or hasattr(md, "__cuda_array_interface__")
+                  or bool(getattr(md, "is_cuda", False)))
+        got = f"a {mod} device array" if device else f"a {type(md).__module__}.{type(md).__qualname__}"
+        raise fail("attention_metadata", got, "host memory (a list/tuple or NumPy array of int32): it is read "
+                   "once on the host, never from device memory")
+    if vals[0] < 0 or vals[1] < 0 or (len(vals) > 2 and vals[2] < 0):
+        raise fail("attention_metadata", list(vals), "entries >= 0 (0 means unknown)")
+    return vals
+
+
+def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
+             metadata: Optional[Sequence[int]] = None) -> Problem:
+    """Check every shape/dtype/attribute rule and derive the :class:`Problem`.
+
+    ``infos`` maps input names (``INPUT_NAMES`` minus attention_metadata) to an
+    :class:`ArrayInfo` or None when absent; ``metadata`` is the already-read host
+    values of attention_metadata (see :func:`metadata_values`) or None.
+    """
+    a = attrs
+    H, Hk = a.num_heads, a.kv_num_heads
+    latent = a.kv_cache_layout == "LATENT"
+    get = infos.get
+
+    q = _need(infos, "query", "a (token_count, num_heads*head_size) array")
+    _check_rank(q, "query", 2, "(token_count, num_heads*head_size) or packed "
+                "(token_count, (num_heads+2*kv_num_heads)*head_size)")
+    T = q.dtype
+    if T not in FLOAT_TYPES:
+        raise fail("query", f"dtype {T}", "dtype float16, bfloat16 or float32 (T)")
+    N, hidden = q.shape
+    key, value = get("key"), get("value")
+
+    # Input-mode state machine (seed 4.6): layout first, then presence.
+    if latent:
+        if key is None:
+            raise fail("key", "None (absent)", "present in LATENT layout: the (token_count, head_size) latent row")
+        if value is not None:
+            raise fail("value", f"an array of shape {_dims(value.shape)}",
+                       "absent in LATENT layout (V is a view of the latent K row)")
+        if get("value_cache") is not None:
+            raise fail("value_cache", "an array",
+                       "absent in LATENT layout (V is the leading v_head_size channels of key_cache)")
+        if get("v_scale") is not None:
+            raise fail("v_scale", "an array", "absent in LATENT layout (k_scale describes the one latent cache)")
+        packed = False
+    else:
+        if (key is None) != (value is None):
+            present, absent = ("key", "value") if value is None else ("value", "key")
+            raise fail(absent, "None (absent)",
+                       f"present because {present} is present (key and value are both present or both absent)")
+        packed = key is None
+
+    heads = H + 2 * Hk if packed else H
+    if hidden % heads:
+        raise fail("query", f"shape {_dims(q.shape)}", f"dim 1 divisible by {heads} "
+                   + ("(num_heads+2*kv_num_heads: packed QKV because key and value are absent)"
+                      if packed else "(num_heads)"))
+    D = hidden // heads
+    if D % 8 or D == 0:
+        raise fail("query", f"head_size {D} (from shape {_dims(q.shape)})", "head_size a positive multiple of 8")
+    if not latent and D > 256:
+        raise fail("query", f"head_size {D} (from shape {_dims(q.shape)})",
+                   "head_size <= 256 (larger heads only in LATENT layout)")
+
+    if key is not None:
+        if latent:
+            _check_shape(key, "key", (N, D), "(token_count, head_size): the LATENT latent row")
+        else:
+            _check_shape(key, "key", (N, Hk * D), "(token_count, kv_num_heads*head_size)")
+        _check_dtype(key, "key", T, "same as query")
+    if value is not None:
+        _check_shape(value, "value", (N, Hk * D), "(token_count, kv_num_heads*head_size)")
+        _check_dtype(value, "value", T, "same as query")
+
+    # v_head_size / scale (seed 12.6, 12.10)
+    if a.v_head_size != 0 and a.v_head_size != D and not latent:
+        raise fail("v_head_size", a.v_head_size,
+                   f"0 or head_size={D} in SEPARATE layout (other widths only in LATENT)")
+    if a.v_head_size > D:
+        raise fail("v_head_size", a.v_head_size, f"0 or a width in [1, head_size={D}]")
+    Dv = a.v_head_size if (latent and a.v_head_size) else D
+    if Dv != D and a.scale == 0.0:
+        raise fail("scale", "0 (the default 1/sqrt(head_size))",
+                   f"an explicit scale when v_head_size ({Dv}) != head_size ({D}): "
+                   f"the default would silently use 1/sqrt({D})")
+
+    # Caches
+    kc = _need(infos, "key_cache", "a (num_blocks, block_size, kv_num_heads, head_size) cache")
+    _check_rank(kc, "key_cache", 4, "(num_blocks, block_size, kv_num_heads, head_size)")
+    num_blocks, block_size, kc_heads, kc_d = kc.shape
+    if block_size < 1:
+        raise fail("key_cache", f"shape {_dims(kc.shape)}", "block_size (dim 1) >= 1")
+    if kc_heads != Hk:
+        raise fail("key_cache", f"shape {_dims(kc.shape)}", f"dim 2 == kv_num_heads ({Hk})")
+    if kc_d != D:
+        raise fail("key_cache", f"shape {_dims(kc.shape)}", f"dim 3 == head_size ({D})")
+    cdt = kc.dtype
+    kcd, vcd = a.k_cache_dtype, a.v_cache_dtype
+    if not latent:
+        vc = _need(infos, "value_cache", "present in SEPARATE layout, same shape as key_cache")
+        _check_shape(vc, "value_cache", tuple(kc.shape), "(same as key_cache)")
+        _check_dtype(vc, "value_cache", cdt, "key_cache and value_cache share one element type")
+
+    fp8_as_bytes = False
+    if cdt == T:
+        cache_kind = "T"
+    elif cdt == "int8":
+        cache_kind = "int8"
+    elif cdt == "float8_e4m3fn":
+        cache_kind = "fp8"
+    elif cdt == "uint8":
+        if kcd != "float8e4m3fn":
+            raise fail("k_cache_dtype", repr(kcd),
+                       "'float8e4m3fn' when the cache arrays are uint8 (raw e4m3 bytes)")
+        if not latent and vcd != "float8e4m3fn":
+            raise fail("v_cache_dtype", repr(vcd),
+                       "'float8e4m3fn' when the cache arrays are uint8 (raw e4m3 bytes)")
+        cache_kind, fp8_as_bytes = "fp8", True
+    elif cdt in FLOAT_TYPES:
+        raise fail("key_cache", f"dtype {cdt}", f"the query's dtype {T}, int8, float8_e4m3fn or uint8 "
+                   f"(fp8 bytes): a {cdt} cache with a {T} query is not allowed")
+    else:
+        raise fail("key_cache", f"dtype {cdt}", f"{T} (same as query), int8, float8_e4m3fn or uint8 (fp8 bytes)")
+    if not fp8_as_bytes:
+        if kcd and CACHE_DTYPE_NAMES[kcd] != cdt:
+            raise fail("k_cache_dtype", repr(kcd), f"'' or the cache tensor's own type ({cdt})")
+        if vcd and CACHE_DTYPE_NAMES[vcd] != cdt:   # always '' in LATENT (Attributes)
+            raise fail("v_cache_dtype", repr(vcd), f"'' or the cache tensor's own type ({cdt})")
+
+    quants = (("k_quant_type", a.k_quant_type, "k_scale"),) if latent else (
+        ("k_quant_type", a.k_quant_type, "k_scale"), ("v_quant_type", a.v_quant_type, "v_scale"))
+    for qname, qt, sname in quants:
+        s = get(sname)
+        if qt == "NONE":
+            if cache_kind != "T":
+                raise fail(qname, "'NONE'", f"'PER_TENSOR' or 'PER_CHANNEL' because the cache is {cdt} "
+                           "(a quantized cache needs scales)")
+            if s is not None:
+                raise fail(sname, "an array", f"absent because {qname} is 'NONE'")
+            continue
+        if cache_kind == "T":
+            raise fail(qname, repr(qt), f"'NONE' because the cache has the query's type {T} "
+                       "(quantization needs an int8 or fp8 cache)")
+        if s is None:
+            raise fail(sname, "None (absent)", f"a float32 scale because {qname} is {qt!r}")
+        _check_dtype(s, sname, "float32")
+        if qt == "PER_TENSOR":
+            _check_shape(s, sname, (1,), "(PER_TENSOR scale)")
+        else:
+            _check_shape(s, sname, (Hk, 1, D), "(kv_num_heads, 1, head_size): PER_CHANNEL scale")
+
+    # Sequence description
+    cum = _need(infos, "cumulative_sequence_length", "an int32 (batch_size+1,) array")
+    _check_rank(cum, "cumulative_sequence_length", 1, "(batch_size + 1,)")
+    _check_dtype(cum, "cumulative_sequence_length", "int32", "no silent casts of index inputs")
+    if cum.shape[0] < 2:
+        raise fail("cumulative_sequence_length", f"shape {_dims(cum.shape)}",
+                   "at least 2 entries (batch_size + 1 with batch_size >= 1)")
+    B = cum.shape[0] - 1
+    past = _need(infos, "past_seqlens", "an int32 (batch_size,) array")
+    _check_shape(past, "past_seqlens", (B,), "(batch_size,) with batch_size = len(cumulative_sequence_length) - 1")
+    _check_dtype(past, "past_seqlens", "int32", "no silent casts of index inputs")
+    bt = _need(infos, "block_table", "an int32 (batch_size, max_blocks_per_sequence) array")
+    _check_rank(bt, "block_table", 2, "(batch_size, max_blocks_per_sequence)")
+    _check_dtype(bt, "block_table", "int32", "no silent casts of index inputs")
+    if bt.shape[0] != B:
+        raise fail("block_table", f"shape {_dims(bt.shape)}", f"dim 0 == batch_size ({B})")
+    max_blocks = bt.shape[1]
+    if max_blocks < 1:
+        raise fail("block_table", f"shape {_dims(bt.shape)}", "at least one column (max_blocks_per_sequence >= 1)")
+
+    # Rotary
+    cos, sin = get("cos_cache"), get("sin_cache")
+    if (cos is None) != (sin is None):
+        present, absent = ("cos_cache", "sin_cache") if sin is None else ("sin_cache", "cos_cache")
+        raise fail(absent, "None (absent)", f"present because {present} is present (both or neither)")
+    rotary_dim = rotary_max_pos = 0
+    if a.do_rotary:
+        if cos is None:
+            raise fail("cos_cache", "None (absent)", "cos_cache and sin_cache because do_rotary=1")
+        _check_rank(cos, "cos_cache", 2, "(max_position, rotary_dim/2)")
+        _check_dtype(cos, "cos_cache", T, "same as query")
+        _check_shape(sin, "sin_cache", tuple(cos.shape), "(same as cos_cache)")
+        _check_dtype(sin, "sin_cache", T, "same as query")
+        rotary_max_pos, half = cos.shape
+        rotary_dim = 2 * half
+        if half < 1:
+            raise fail("cos_cache", f"shape {_dims(cos.shape)}", "dim 1 >= 1 (rotary_dim = 2 * cos_cache.shape[1])")
+        if a.rotary_offset + rotary_dim > D:
+            raise fail("rotary_offset", a.rotary_offset,
+                       f"rotary_offset + rotary_dim ({rotary_dim} = 2*cos_cache.shape[1]) <= head_size ({D})")
+    elif cos is not None:
+        raise fail("cos_cache", "an array", "absent because do_rotary=0 (an input is never silently ignored)")
+
+    def vector(name, length, dtype, what):
+        info = get(name)
+        if info is None:
+            return False
+        _check_shape(info, name, (length,), what)
+        _check_dtype(info, name, dtype, "same as query" if dtype == T else "no silent casts of index inputs")
+        return True
+
+    has_slot = vector("slot_mapping", N, "int32", "(token_count,)")
+    has_qpos = vector("query_positions", N, "int32", "(token_count,)")
+    has_sink = vector("head_sink", H, T, "(num_heads,)")
+    qn, kn = get("q_norm_weight"), get("k_norm_weight")
+    if (qn is None) != (kn is None):
+        present, absent = ("q_norm_weight", "k_norm_weight") if kn is None else ("k_norm_weight", "q_norm_weight")
+        raise fail(absent, "None (absent)", f"present because {present} is present (QK-norm weights come together)")
+    has_norm = qn is not None
+    if has_norm:
+        vector("q_norm_weight", D, T, "(head_size,)")
+        vector("k_norm_weight", D, T, "(head_size,)")
+    if latent and has_sink:
+        raise fail("head_sink", "an array", "absent in LATENT layout (MLA has no attention sinks)")
+    if latent and has_norm:
+        raise fail("q_norm_weight", "an array", "absent in LATENT layout (MLA + QK-norm is not defined)")
+
+    bias = get("attention_bias")
+    bias_shape = ()
+    if bias is not None:
+        _check_rank(bias, "attention_bias", 4, "(batch_size or 1, num_heads or 1, q_capacity, kv_capacity)")
+        _check_dtype(bias, "attention_bias", T, "same as query")
+        bias_shape = tuple(bias.shape)
+        bb, bh, bq, bk = bias_shape
+        if bb != 1 and bb != B:
+            raise fail("attention_bias", f"shape {_dims(bias_shape)}", f"dim 0 of 1 or batch_size ({B})")
+        if bh != 1 and bh != H:
+            raise fail("attention_bias", f"shape {_dims(bias_shape)}", f"dim 1 of 1 or num_heads ({H})")
+        if bq < 1 or bk < 1:
+            raise fail("attention_bias", f"shape {_dims(bias_shape)}", "q_capacity >= 1 and kv_capacity >= 1")
+
+    # Replay-wide bounds (SPEC 4.5): size launches only, clamped to the static capacities.
+    static_cap = max_blocks * block_size
+    md = tuple(metadata) if metadata is not None else None
+    mq = min(md[0], N) if md and md[0] else N
+    mk = min(md[1], static_cap) if md and md[1] else static_cap
+    mkl = min(md[2], mk) if md and len(md) > 2 else 0
+
+    if a.qk_output and N * H * mk * 4 > QK_OUTPUT_MAX_BYTES:
+        raise fail("qk_output", a.qk_output,
+                   f"an output_qk of at most {QK_OUTPUT_MAX_BYTES} bytes (num_heads*token_count*kv_capacity = "
+                   f"{H}*{N}*{mk} float32 = {N * H * mk * 4} bytes); give a smaller attention_metadata "
+                   "max_kv_len_bound or raise cupa.contract.QK_OUTPUT_MAX_BYTES")
+
+    return Problem(
+        attrs=a, token_count=N, batch_size=B, num_heads=H, kv_num_heads=Hk, head_size=D, v_head_size=Dv,
+        group_size=H // Hk, packed_qkv=packed, latent=latent, dtype=T, cache_array_dtype=cdt,
+        cache_kind=cache_kind, fp8_as_bytes=fp8_as_bytes, k_quant=a.k_quant_type,
+        v_quant=a.k_quant_type if latent else a.v_quant_type, num_blocks=num_blocks, block_size=block_size,
+        max_blocks_per_seq=max_blocks, scale=a.scale if a.scale else 1.0 / math.sqrt(D),
+        rotary_dim=rotary_dim, rotary_max_pos=rotary_max_pos, has_slot_mapping=has_slot,
+        has_head_sink=has_sink, has_qk_norm=has_norm, has_query_positions=has_qpos,
+        has_bias=bias is not None, bias_shape=bias_shape, has_metadata=md is not None,
+        max_query_len_bound=mq, max_kv_len_bound=mk, max_kv_len_lower_bound=mkl, kv_capacity=mk,
+    )

@@ -1,0 +1,248 @@
+"""Public input builders: RoPE tables and the KV-cache quantization rule.
+
+:func:`quantize` is *the* Python definition of the cache write rule of SPEC section 4.1::
+
+    code = saturate(round_half_even(float32(x) * float32(1 / scale)))
+
+int8 saturates to [-128, 127]; float8 e4m3fn clips to +-448 in float32 and then rounds to nearest
+even. :func:`dequantize` is the read rule ``code * scale``. The reference backend calls these
+functions, so the CUDA kernels and the tests have one definition to agree with.
+
+NumPy is the tested path. Functions that take an array also accept CuPy arrays (they use the
+array's own module); CuPy has no float8 dtype, so float8 codes on CuPy are always raw e4m3 bytes
+(``uint8``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import ml_dtypes
+
+__all__ = ["rope_cache", "compute_scale", "quantize", "dequantize"]
+
+_FP8_NAMES = ("float8e4m3fn", "float8_e4m3fn")
+_INT8_NAMES = ("int8",)
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+
+
+def _xp(x):
+    """The array module of ``x``: cupy for CuPy arrays, numpy otherwise."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def _cache_kind(cache_dtype) -> str:
+    """'int8' or 'fp8' from a cache dtype spelling (string, NumPy dtype or ml_dtypes type)."""
+    if isinstance(cache_dtype, str):
+        name = cache_dtype
+    else:
+        try:
+            name = np.dtype(cache_dtype).name
+        except TypeError as exc:
+            raise ValueError(f"cache_dtype: got {cache_dtype!r}; expected 'int8' or 'float8e4m3fn'") from exc
+    if name in _INT8_NAMES:
+        return "int8"
+    if name in _FP8_NAMES:
+        return "fp8"
+    raise ValueError(f"cache_dtype: got {cache_dtype!r}; expected 'int8' or 'float8e4m3fn'")
+
+
+def _qmax(kind: str) -> float:
+    return INT8_MAX if kind == "int8" else FP8_MAX
+
+
+def rope_cache(max_position: int, rotary_dim: int, base: float = 10000.0, dtype=np.float16):
+    """Cosine and sine tables for rotary position embedding (RoPE).
+
+    ``cos[p, i] = cos(p * base ** (-2 i / rotary_dim))`` (likewise ``sin``), computed in float64 and
+    then cast to ``dtype``. Partial rotary (rotary_dim < head_size) is simply a smaller rotary_dim;
+    ``rotary_offset`` picks where in the head it applies.
+
+    Parameters
+    ----------
+    max_position : int
+        Number of positions (rows); positions ``0 .. max_position-1`` are covered.
+    rotary_dim : int
+        Even number of rotated channels.
+    base : float, default 10000.0
+        RoPE base (theta).
+    dtype : NumPy dtype, default float16
+        Element type of the tables; use the query's type T (float16, ml_dtypes.bfloat16, float32).
+
+    Returns
+    -------
+    cos, sin : ndarray, shape (max_position, rotary_dim // 2), dtype ``dtype``
+    """
+    if int(rotary_dim) != rotary_dim or rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim: got {rotary_dim!r}; expected a positive even integer")
+    if int(max_position) != max_position or max_position < 0:
+        raise ValueError(f"max_position: got {max_position!r}; expected an integer >= 0")
+    half = int(rotary_dim) // 2
+    inv_freq = float(base) ** (-2.0 * np.arange(half, dtype=np.float64) / float(rotary_dim))
+    angles = np.arange(int(max_position), dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def compute_scale(x, quant_type: str, cache_dtype="int8"):
+    """Symmetric quantization scale that maps ``max|x|`` to the largest code.
+
+    Parameters
+    ----------
+    x : array, shape (..., kv_num_heads, head_size)
+        K or V values (any float dtype; e.g. the keys of a prompt).
+    quant_type : {"PER_TENSOR", "PER_CHANNEL"}
+        PER_TENSOR: one scale; PER_CHANNEL: one scale per (kv head, channel), reduced over every
+        leading dimension of ``x``.
+    cache_dtype : {"int8", "float8e4m3fn"} or a dtype, default "int8"
+        The code type: qmax = 127 for int8, 448 for float8 e4m3fn.
+
+    Returns
+    -------
+    scale : float32 array, shape (1,) for PER_TENSOR or (kv_num_heads, 1, head_size) for PER_CHANNEL
+        ``max|x| / qmax``; a scale whose values are all zero is 1.0 (never 0).
+    """
+    xp = _xp(x)
+    kind = _cache_kind(cache_dtype)
+    qmax = _qmax(kind)
+    a = xp.abs(xp.asarray(x).astype(xp.float64))
+    if quant_type == "PER_TENSOR":
+        m = a.max().reshape(1) if a.size else xp.zeros(1, dtype=xp.float64)
+    elif quant_type == "PER_CHANNEL":
+        if a.ndim < 2:
+            raise ValueError(f"x: got shape {tuple(a.shape)}; expected (..., kv_num_heads, head_size) for PER_CHANNEL")
+        hk, d = a.shape[-2], a.shape[-1]
+        a2 = a.reshape(-1, hk, d)
+        m = a2.max(axis=0) if a2.shape[0] else xp.zeros((hk, d), dtype=xp.float64)
+        m = m.reshape(hk, 1, d)
+    else:
+        raise ValueError(f"quant_type: got {quant_type!r}; expected 'PER_TENSOR' or 'PER_CHANNEL'")
+    s = m / qmax
+    s = xp.where(s > 0, s, 1.0)
+    return s.astype(xp.float32)
+
+
+def _broadcast_scale(scale, x_shape, xp):
+    """Scale as float32, shaped to broadcast against (..., Hk, D)."""
+    s = xp.asarray(scale, dtype=xp.float32)
+    if s.ndim == 3:  # PER_CHANNEL (Hk, 1, D) -> (Hk, D)
+        if len(x_shape) < 2 or s.shape[0] != x_shape[-2] or s.shape[2] != x_shape[-1] or s.shape[1] != 1:
+            raise ValueError(f"scale: got shape {tuple(s.shape)}; expected (kv_num_heads, 1, head_size) matching "
+                             f"x of shape {tuple(x_shape)}")
+        s = s.reshape(s.shape[0], s.shape[2])
+    elif s.ndim == 1 and s.shape[0] != 1:
+        raise ValueError(f"scale: got shape {tuple(s.shape)}; expected (1,) or (kv_num_heads, 1, head_size)")
+    elif s.ndim not in (0, 1):
+        raise ValueError(f"scale: got shape {tuple(s.shape)}; expected (1,) or (kv_num_heads, 1, head_size)")
+    return s
+
+
+def _fp8_bytes_from_f32(y, xp):
+    """Encode float32 values already clipped to +-448 as e4m3fn bytes, round to nearest even.
+
+    Pure arithmetic (works on NumPy and CuPy); NaN encodes as 0x7F/0xFF.
+    """
+    y = y.astype(xp.float32)
+    neg = xp.signbit(y)
+    a = xp.abs(y).astype(xp.float64)
+    nan = xp.isnan(a)
+    a = xp.where(nan, 0.0, xp.minimum(a, FP8_MAX))
+    # binade exponent: a = mant * 2**ex, mant in [0.5, 1) -> floor(log2 a) = ex - 1
+    _, ex = xp.frexp(a)
+    e = xp.maximum(ex.astype(xp.int64) - 1, -6)          # subnormals share the step of binade -6
+    step = xp.ldexp(xp.ones_like(a), (e - 3).astype(xp.int32))  # 3 mantissa bits
+    r = xp.rint(a / step) * step                          # exact division by a power of two; RNE
+    r = xp.minimum(r, FP8_MAX)
+    # encode r: code = e_field * 8 + m; continuous across the subnormal/normal boundary
+    _, ex2 = xp.frexp(r)
+    e2 = xp.maximum(ex2.astype(xp.int64) - 1, -6)
+    sub = r < 2.0 ** -6
+    m_sub = xp.rint(r / 2.0 ** -9)
+    frac = r / xp.ldexp(xp.ones_like(r), e2.astype(xp.int32))   # in [1, 2)
+    code_norm = (e2 + 7) * 8 + xp.rint((frac - 1.0) * 8.0).astype(xp.int64)
+    code = xp.where(sub, m_sub.astype(xp.int64), code_norm)
+    code = xp.where(nan, 0x7F, code)
+    code = code + xp.where(neg, 0x80, 0)
+    return code.astype(xp.uint8)
+
+
+_FP8_TABLE = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def quantize(x, scale, cache_dtype="int8", as_bytes: bool = False):
+    """Quantize K or V values with the cache write rule (SPEC section 4.1).
+
+    ``code = saturate(round_half_even(float32(x) * float32(1/scale)))`` where ``float32(1/scale)`` is
+    ``np.float32(1) / scale`` evaluated in float32 and the product is float32. int8 saturates to
+    [-128, 127]; float8 e4m3fn clips to +-448 in float32 and then rounds to nearest even.
+
+    Parameters
+    ----------
+    x : array, shape (..., kv_num_heads, head_size)
+        Values to store (float16, bfloat16 or float32; typically already rounded to T).
+    scale : float32 array, shape (1,) or (kv_num_heads, 1, head_size)
+        PER_TENSOR or PER_CHANNEL scale; broadcasts over the leading dimensions of ``x``.
+    cache_dtype : {"int8", "float8e4m3fn"} or a dtype, default "int8"
+        Code type.
+    as_bytes : bool, default False
+        float8 only: return the raw e4m3 bytes as uint8 (the layout a CuPy cache holds).
+        Always the case for CuPy inputs.
+
+    Returns
+    -------
+    codes : array shaped like ``x``: int8, ml_dtypes.float8_e4m3fn, or uint8 bytes
+    """
+    xp = _xp(x)
+    kind = _cache_kind(cache_dtype)
+    x = xp.asarray(x)
+    s = _broadcast_scale(scale, x.shape, xp)
+    inv = (xp.float32(1) / s).astype(xp.float32)
+    y = (x.astype(xp.float32) * inv).astype(xp.float32)
+    if kind == "int8":
+        return xp.clip(xp.rint(y), -128, 127).astype(xp.int8)
+    y = xp.clip(y, -FP8_MAX, FP8_MAX).astype(xp.float32)
+    if xp is np:
+        codes = y.astype(ml_dtypes.float8_e4m3fn)
+        return codes.view(np.uint8) if as_bytes else codes
+    return _fp8_bytes_from_f32(y, xp)
+
+
+def dequantize(codes, scale, cache_dtype=None):
+    """Dequantize cache codes with the read rule ``code * scale`` (float32).
+
+    Parameters
+    ----------
+    codes : array, shape (..., kv_num_heads, head_size)
+        int8 codes, ml_dtypes.float8_e4m3fn codes, or uint8 raw e4m3 bytes (then
+        ``cache_dtype="float8e4m3fn"`` is required).
+    scale : float32 array, shape (1,) or (kv_num_heads, 1, head_size)
+    cache_dtype : {None, "int8", "float8e4m3fn"}
+        Needed only for uint8 bytes; otherwise taken from ``codes.dtype``.
+
+    Returns
+    -------
+    values : float32 array shaped like ``codes``
+    """
+    xp = _xp(codes)
+    codes = xp.asarray(codes)
+    name = np.dtype(codes.dtype).name if xp is np else str(codes.dtype)
+    if name == "uint8":
+        if cache_dtype is None or _cache_kind(cache_dtype) != "fp8":
+            raise ValueError("cache_dtype: got "
+                             f"{cache_dtype!r} for uint8 codes; expected 'float8e4m3fn' (uint8 holds raw e4m3 bytes)")
+        vals = xp.asarray(_FP8_TABLE)[codes.astype(xp.int64)] if xp is not np else _FP8_TABLE[codes]
+    elif name == "int8":
+        if cache_dtype is not None and _cache_kind(cache_dtype) != "int8":
+            raise ValueError(f"cache_dtype: got {cache_dtype!r} for int8 codes; expected None or 'int8'")
+        vals = codes.astype(xp.float32)
+    elif name == "float8_e4m3fn":
+        if cache_dtype is not None and _cache_kind(cache_dtype) != "fp8":
+            raise ValueError(f"cache_dtype: got {cache_dtype!r} for float8_e4m3fn codes; expected None or 'float8e4m3fn'")
+        vals = codes.astype(np.float32)
+    else:
+        raise ValueError(f"codes: got dtype {name}; expected int8, float8_e4m3fn or uint8 (e4m3 bytes)")
+    s = _broadcast_scale(scale, codes.shape, xp)
+    return (vals.astype(xp.float32) * s).astype(xp.float32)

@@ -1,0 +1,139 @@
+"""The paged flash-decoding backend: prologue, split-KV attention over pages, fp32 merge.
+
+Split layout (SPEC 4.5): keys are cut at absolute positions that are multiples of ``chunk``,
+a value drawn only from static sizes (block_table capacity, token and head counts, the SM
+count), never from attention_metadata. The bound only decides how many trailing splits are
+launched, so absent, tight and loose bounds give bit-identical results; a launched split with
+no admitted key exits after reading its token's lengths.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .. import jit
+from ..contract import Problem
+from . import launch, registry, types
+from .prologue import launch_prologue
+from .types import f32, i32, ptr
+
+DECODE_THREADS = 128
+MERGE_THREADS = 128
+MIN_CHUNK = 256
+CTAS_PER_SM_TARGET = 8
+
+
+MMA_ROWS = 16  # query heads per tensor-core CTA (the m16n8k16 tile's rows)
+MMA_HEAD_SIZES = (64, 128)
+
+
+def uses_mma(problem: Problem) -> bool:
+    """Tensor-core kernel: fp16/bf16 activations and head_size 64 or 128; else CUDA cores."""
+    return problem.dtype in ("float16", "bfloat16") and problem.head_size in MMA_HEAD_SIZES
+
+
+def heads_per_cta(problem: Problem) -> int:
+    return MMA_ROWS if uses_mma(problem) else types.head_chunk(problem.group_size)
+
+
+def mma_shared_bytes(problem: Problem) -> int:
+    """Dynamic shared memory of paged_decode_mma (mirrors MmaDecodeSmem in decode_mma.cu)."""
+    D, quant = problem.head_size, problem.quantized
+    code = 1 if quant else 2
+    stages = 4 if quant else 3
+    q_bytes = MMA_ROWS * D * 2
+    loop = q_bytes + stages * 2 * 64 * D * code + (2 * 64 * D * 2 if quant else 0) + (stages + 1) * 64 * 8
+    combine = 4 * MMA_ROWS * (D + 2) * 4
+    return max(loop, combine + q_bytes)
+
+
+def split_plan(problem: Problem, sm_count: int) -> tuple:
+    """(chunk, num_splits, heads_per_cta): chunk from static sizes only, splits from the bound."""
+    p = problem
+    gt = heads_per_cta(p)
+    ctas = p.token_count * p.kv_num_heads * math.ceil(p.group_size / gt)
+    cap = p.static_kv_capacity
+    # A power-of-two number of equal parts of the capacity keeps splits equal when lengths are too.
+    want = 1 << max(0, math.ceil(math.log2(max(1.0, CTAS_PER_SM_TARGET * sm_count / max(ctas, 1)))))
+    chunk = max(MIN_CHUNK, -(-math.ceil(cap / want) // MIN_CHUNK) * MIN_CHUNK)
+    num_splits = max(1, math.ceil(p.max_kv_len_bound / chunk))
+    return chunk, num_splits, gt
+
+
+class DecodeBackend:
+    name = "decode"
+
+    def not_supported_reasons(self, problem: Problem) -> list:
+        p, reasons = problem, []
+        if p.latent:
+            reasons.append("kv_cache_layout='LATENT' (MLA) is not served by a CUDA backend yet")
+        if p.has_bias:
+            reasons.append("attention_bias is not served by a CUDA backend yet")
+        if p.attrs.qk_output:
+            reasons.append("output_qk (qk_output != 0) is not served by a CUDA backend yet")
+        if p.head_size > 256:
+            reasons.append(f"head_size {p.head_size} > 256")
+        return reasons
+
+    def preferred(self, problem: Problem) -> bool:
+        # Seed 4.7: decode-shaped calls come here; until a prefill backend exists, all do.
+        return True
+
+    def describe(self, problem: Problem) -> str:
+        chunk, splits, gt = split_plan(problem, launch.sm_count_hint())
+        engine = "tensor cores (mma.sync m16n8k16)" if uses_mma(problem) else "CUDA cores"
+        return (f"paged flash-decoding on {engine}: one CTA per (token, KV head, {gt}-head chunk, split); "
+                f"{splits} split(s) of {chunk} key positions; fused prologue first")
+
+    def run(self, problem: Problem, inputs: dict, out=None, stream=None):
+        p = problem
+        call = launch.prepare(p, inputs, out, stream)
+        if p.token_count == 0:
+            return call.finish()
+        cp = call.cupy
+        with call:
+            q_ws = cp.empty((p.token_count, p.num_heads, p.head_size), dtype=call.dev["query"].dtype)
+            launch_prologue(p, call.dev, q_ws)
+            self._attend(p, call, q_ws)
+        return call.finish()
+
+    def _attend(self, p: Problem, call, q_ws) -> None:
+        cp, dev, a = call.cupy, call.dev, p.attrs
+        chunk, num_splits, gt = split_plan(p, call.sm_count)
+        head_chunks = math.ceil(p.group_size / gt)
+        out = call.output
+        if num_splits > 1:
+            rows = p.token_count * p.num_heads * num_splits
+            part_o = cp.empty((rows, p.head_size), dtype=cp.float32)
+            part_ml = cp.empty((rows, 2), dtype=cp.float32)
+        else:
+            part_o = part_ml = None
+        common_args = (
+            q_ws, dev["key_cache"], dev["value_cache"], dev["cumulative_sequence_length"],
+            dev["past_seqlens"], dev["block_table"], ptr(dev["query_positions"]), ptr(dev["head_sink"]),
+            ptr(dev["k_scale"]), ptr(dev["v_scale"]), out, ptr(part_o), ptr(part_ml),
+            i32(p.num_heads), i32(p.kv_num_heads))
+        tail_args = (
+            i32(p.batch_size), i32(p.num_blocks), i32(p.block_size), i32(p.max_blocks_per_seq), i32(chunk),
+            i32(num_splits), i32(p.rotary_max_pos if p.rotary_dim else 0), f32(p.scale), f32(a.softcap),
+            i32(a.local_window_size), i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]),
+            i32(types.QUANT_CODE[p.v_quant]))
+        grid = (p.token_count, p.kv_num_heads * head_chunks, num_splits)
+        if uses_mma(p):
+            kernel = jit.get_kernel(registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size))
+            shared = mma_shared_bytes(p)
+            launch.ensure_shared_memory(kernel, shared)
+            kernel(grid, (DECODE_THREADS,), common_args + tail_args, shared_mem=shared)
+        else:
+            kernel = jit.get_kernel(registry.decode_spec(p.dtype, p.cache_kind, gt))
+            kernel(grid, (DECODE_THREADS,), common_args + (i32(p.head_size),) + tail_args)
+        if num_splits > 1:
+            merge = jit.get_kernel(registry.merge_spec(p.dtype))
+            merge(
+                (p.token_count, p.num_heads), (MERGE_THREADS,),
+                (part_o, part_ml, ptr(dev["head_sink"]), ptr(dev["v_scale"]), out, i32(p.num_heads),
+                 i32(p.kv_num_heads), i32(p.head_size), i32(num_splits), i32(types.QUANT_CODE[p.v_quant])),
+            )
+
+
+BACKEND = DecodeBackend()

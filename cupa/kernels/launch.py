@@ -1,0 +1,86 @@
+"""What every CUDA backend does around its kernels: device inputs, stream, output, return value."""
+
+from __future__ import annotations
+
+import functools
+
+from .. import arrays
+from ..contract import INPUT_NAMES, Problem
+from ..errors import fail
+
+_TENSORS = tuple(n for n in INPUT_NAMES if n != "attention_metadata")
+# Inputs read with 16-byte vector loads (SPEC: head_size % 8 == 0 keeps rows aligned).
+_VECTOR_READ = ("query", "key", "value", "key_cache", "value_cache")
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+def sm_count_hint() -> int:
+    """SM count of the current device (for explain()); 132 (H200) when none is usable."""
+    try:
+        import cupy
+
+        return sm_count(cupy.cuda.Device().id)
+    except Exception:
+        return 132
+
+
+class Call:
+    """Device views of one call's inputs, its stream and output."""
+
+    def __init__(self, problem: Problem, inputs: dict, out, stream):
+        import cupy
+
+        self.cupy = cupy
+        self.problem = problem
+        self.query = inputs["query"]
+        self.stream = arrays.resolve_stream(stream, self.query)
+        self.dev, self.device_id = arrays.device_arrays({n: inputs[n] for n in _TENSORS}, self.stream)
+        for name in _VECTOR_READ:
+            a = self.dev.get(name)
+            if a is not None and a.data.ptr % 16:
+                raise fail(name, f"a device pointer at {a.data.ptr:#x}", "16-byte alignment (vector loads)")
+        self.sm_count = sm_count(self.device_id)
+        self.device = cupy.cuda.Device(self.device_id)
+        q = self.dev["query"]
+        self._user_out = out
+        if out is None:
+            with self.device, self.stream:
+                self.output = cupy.empty(problem.output_shape, dtype=q.dtype)
+        else:
+            self.output = arrays.check_out(out, problem.output_shape, problem.dtype, self.query, self.device_id)
+
+    def __enter__(self):
+        self.device.__enter__()
+        self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        self.device.__exit__(*exc)
+
+    def finish(self):
+        """The output in the library of ``query`` (the user's ``out`` when given)."""
+        if self._user_out is not None:
+            return self._user_out
+        return arrays.wrap_output(self.output, like=self.query, stream=self.stream)
+
+
+def prepare(problem: Problem, inputs: dict, out, stream) -> Call:
+    return Call(problem, inputs, out, stream)
+
+
+_SHARED_CONFIGURED: dict = {}
+
+
+def ensure_shared_memory(kernel, nbytes: int) -> None:
+    """Raise a kernel's dynamic shared-memory limit once (needed above 48 KB)."""
+    key = id(kernel)
+    if _SHARED_CONFIGURED.get(key, 0) < nbytes:
+        kernel.max_dynamic_shared_size_bytes = nbytes
+        _SHARED_CONFIGURED[key] = nbytes

@@ -1,0 +1,49 @@
+"""The explicit, small set of kernel specializations, and the CUDA backends in priority order.
+
+Every specialization the dispatcher can ask for is listed here, so ``python -m cupa.compile
+--check`` compiles exactly what can run. Head size, GQA group and block size are run-time
+parameters of the decode kernel; T, the cache type and the head chunk are template values.
+"""
+
+from __future__ import annotations
+
+from ..jit import Specialization
+from . import types
+
+
+def prologue_spec(dtype: str, cache_kind: str) -> Specialization:
+    return Specialization("prologue", f"paged_prologue<{types.act(dtype)}, {types.cache(cache_kind, dtype)}>")
+
+
+def decode_spec(dtype: str, cache_kind: str, head_chunk: int) -> Specialization:
+    return Specialization("decode", f"paged_decode<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_chunk}>")
+
+
+def decode_mma_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
+    return Specialization(
+        "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
+
+
+def merge_spec(dtype: str) -> Specialization:
+    return Specialization("decode", f"paged_decode_merge<{types.act(dtype)}>")
+
+
+def all_specializations() -> list:
+    specs = []
+    for dtype in types.ACT_CXX:
+        for kind in types.CACHE_CXX:
+            specs.append(prologue_spec(dtype, kind))
+            specs.extend(decode_spec(dtype, kind, gt) for gt in types.HEAD_CHUNKS)
+        specs.append(merge_spec(dtype))
+    from .decode import MMA_HEAD_SIZES
+
+    for dtype in ("float16", "bfloat16"):
+        for kind in types.CACHE_CXX:
+            specs.extend(decode_mma_spec(dtype, kind, d) for d in MMA_HEAD_SIZES)
+    return specs
+
+
+def backends() -> list:
+    from .decode import BACKEND as decode
+
+    return [decode]

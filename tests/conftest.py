@@ -1,0 +1,48 @@
+"""Shared test configuration: the `gpu` marker skips cleanly where no CUDA device is usable."""
+
+import functools
+import os
+import secrets
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, no driver, no device
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a usable CUDA device (cupy with a driver and a GPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh random generator per test (fresh data every run, never zeros).
+
+    The seed is reported with a failure; set CUPA_TEST_SEED to replay it.
+    """
+    import numpy as np
+
+    seed = int(os.environ.get("CUPA_TEST_SEED", "0")) or secrets.randbits(31)
+    request.node.cupa_seed = seed
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "cupa_seed", None)
+    if seed is not None and report.failed:
+        report.sections.append(("cupa seed", f"replay with CUPA_TEST_SEED={seed}"))

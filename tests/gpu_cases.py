@@ -1,0 +1,168 @@
+"""Random paged problems for the GPU tests, and the comparison against the NumPy reference.
+
+``build`` makes NumPy inputs (fresh random data, never zeros); ``check_against_reference`` runs
+the reference on one copy and the CUDA path on CuPy copies with a NaN-poisoned ``out=``, then
+checks every output element (SPEC section 6 tolerances) and every cache byte.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+import cupa
+
+NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}
+
+
+def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=None, past=None,
+          max_blocks=None, cache="T", k_quant="PER_CHANNEL", v_quant="PER_CHANNEL", packed=False,
+          rotary=False, interleaved=False, rotary_dim=None, rotary_offset=0, qk_norm=False, sink=False,
+          softcap=0.0, window=-1, is_causal=1, slot_mapping=None, query_positions=False, block_table="shuffled",
+          spare_blocks=3):
+    """NumPy inputs + attributes of a random paged problem (decode-shaped by default)."""
+    T = NP_DTYPES[dtype]
+    q_lens = list(q_lens) if q_lens is not None else [1] * B
+    B = len(q_lens)
+    past = list(past) if past is not None else [int(x) for x in rng.integers(1, 200, size=B)]
+    kv_lens = [p + q for p, q in zip(past, q_lens)]
+    need = [math.ceil(kv / block_size) for kv in kv_lens]
+    max_blocks = max_blocks or max(max(need), 1) + 2
+    num_blocks = sum(need) + spare_blocks
+    N = sum(q_lens)
+    cum = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    bt = np.full((B, max_blocks), -1, dtype=np.int32)
+    used = 0
+    for b in range(B):
+        bt[b, :need[b]] = perm[used:used + need[b]]
+        used += need[b]
+    if block_table == "shared" and B > 1 and need[0] > 1 and need[1] > 1:
+        # sequence 1 shares sequence 0's first block (a shared prefix)
+        bt[1, 0] = bt[0, 0]
+    if block_table == "unmapped":
+        for b in range(B):
+            if need[b] > 2:
+                bt[b, 0] = -1  # evicted: masked on read
+        bt[0, min(1, max_blocks - 1)] = num_blocks + 7 if need[0] > 1 else bt[0, 0]  # out of range: masked
+
+    def act(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(T)
+
+    attrs = dict(num_heads=H, kv_num_heads=Hk, softcap=softcap, local_window_size=window, is_causal=is_causal)
+    inputs = {}
+    if packed:
+        inputs["query"] = act(N, (H + 2 * Hk) * D)
+    else:
+        inputs["query"], inputs["key"], inputs["value"] = act(N, H * D), act(N, Hk * D), act(N, Hk * D)
+    cshape = (num_blocks, block_size, Hk, D)
+    if cache == "T":
+        inputs["key_cache"], inputs["value_cache"] = act(*cshape), act(*cshape)
+    else:
+        qmax = 127.0 if cache == "int8" else 448.0
+        for which, qt in (("k", k_quant), ("v", v_quant)):
+            sshape = (1,) if qt == "PER_TENSOR" else (Hk, 1, D)
+            scale = (rng.uniform(0.5, 1.5, size=sshape) * 3.0 / qmax).astype(np.float32)
+            inputs[f"{which}_scale"] = scale
+            values = rng.standard_normal(cshape).astype(np.float32)
+            codes = cupa.quantize(values, scale, "int8" if cache == "int8" else "float8e4m3fn",
+                                  as_bytes=(cache == "fp8"))
+            inputs["key_cache" if which == "k" else "value_cache"] = codes
+            attrs[f"{which}_quant_type"] = qt
+        if cache == "fp8":
+            attrs.update(k_cache_dtype="float8e4m3fn", v_cache_dtype="float8e4m3fn")
+    inputs["cumulative_sequence_length"] = cum
+    inputs["past_seqlens"] = np.asarray(past, dtype=np.int32)
+    inputs["block_table"] = bt
+    if rotary:
+        rd = rotary_dim or D
+        max_pos = max(kv_lens) + 8
+        cos, sin = cupa.rope_cache(max_pos, rd, dtype=T)
+        inputs["cos_cache"], inputs["sin_cache"] = cos, sin
+        attrs.update(do_rotary=1, rotary_interleaved=int(interleaved), rotary_offset=rotary_offset)
+    if qk_norm:
+        inputs["q_norm_weight"] = (1.0 + 0.2 * rng.standard_normal(D)).astype(T)
+        inputs["k_norm_weight"] = (1.0 + 0.2 * rng.standard_normal(D)).astype(T)
+    if sink:
+        inputs["head_sink"] = act(H, scale=2.0)
+    if slot_mapping is not None:
+        inputs["slot_mapping"] = np.asarray(slot_mapping, dtype=np.int32)
+    if query_positions:
+        pos = np.concatenate([np.arange(p, p + q) for p, q in zip(past, q_lens)]).astype(np.int32)
+        inputs["query_positions"] = pos
+    return inputs, attrs
+
+
+def derived_slots(inputs, block_size):
+    """The slots the derived rule would write (for building explicit slot_mapping tests)."""
+    cum, past, bt = inputs["cumulative_sequence_length"], inputs["past_seqlens"], inputs["block_table"]
+    slots = []
+    for b in range(len(past)):
+        for j in range(cum[b + 1] - cum[b]):
+            p = past[b] + j
+            slots.append(int(bt[b, p // block_size]) * block_size + p % block_size)
+    return slots
+
+
+def to_device(cp, inputs):
+    return {k: (cp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+
+
+def rel_error(out, ref) -> float:
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
+
+
+def assert_cache_close(got, ref, kind, dtype, name):
+    """T caches within one ulp of T; quantized caches within one code."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    if kind == "T":
+        g64, r64 = got.astype(np.float64), ref.astype(np.float64)
+        # float32 RoPE cannot land within one ulp of a float64 result where the pair's terms
+        # cancel: measure the ulp at the size of the row (the rotated pair's magnitude bound).
+        row_max = np.abs(ref.astype(np.float32)).max(axis=-1, keepdims=True)
+        ulp = np.abs(np.spacing(np.maximum(np.abs(ref.astype(np.float32)), row_max))).astype(np.float64)
+        if dtype == "float16":
+            ulp = np.spacing(np.abs(ref.astype(np.float16))).astype(np.float64)
+        elif dtype == "bfloat16":
+            _, e = np.frexp(np.abs(r64))
+            ulp = np.ldexp(1.0, e - 8)
+        bad = np.abs(g64 - r64) > ulp * 1.0001
+        assert not bad.any(), f"{name}: {bad.sum()} cache values off by more than one ulp"
+    elif kind == "int8":
+        diff = np.abs(got.astype(np.int32) - ref.astype(np.int32))
+        assert diff.max() <= 1, f"{name}: int8 codes differ by {diff.max()}"
+    else:
+        def ordered(c):
+            c = c.view(np.uint8).astype(np.int32)
+            mag = c & 0x7F
+            return np.where(c & 0x80, -mag, mag)
+        diff = np.abs(ordered(got) - ordered(ref))
+        assert diff.max() <= 1, f"{name}: fp8 codes differ by {diff.max()} steps"
+
+
+def check_against_reference(cp, inputs, attrs, *, metadata=None, dtype="float16", cache="T", stream=None):
+    """Run reference and CUDA on the same inputs; check output and caches. Returns the device output."""
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    ref = cupa.paged_attention(**ref_in, attention_metadata=metadata, **attrs)
+    dev = to_device(cp, inputs)
+    N = inputs["query"].shape[0]
+    H = attrs["num_heads"]
+    D = dev["key_cache"].shape[-1]
+    out = cp.full((N, H * D), np.nan, dtype=dev["query"].dtype)
+    got = cupa.paged_attention(**dev, attention_metadata=metadata, out=out, stream=stream, **attrs)
+    assert got is out or got.data.ptr == out.data.ptr
+    cp.cuda.get_current_stream().synchronize()
+    host = cp.asnumpy(out)
+    assert not np.isnan(host.astype(np.float32)).any(), "output has unwritten (NaN-poisoned) elements"
+    err = rel_error(host, ref)
+    assert err < TOLERANCE[dtype], f"relative error {err:.3g} >= {TOLERANCE[dtype]}"
+    assert_cache_close(cp.asnumpy(dev["key_cache"]), ref_in["key_cache"], cache, dtype, "key_cache")
+    assert_cache_close(cp.asnumpy(dev["value_cache"]), ref_in["value_cache"], cache, dtype, "value_cache")
+    return out, dev

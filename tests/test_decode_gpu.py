@@ -1,0 +1,220 @@
+"""CUDA decode backend (prologue + paged flash-decoding + merge) against the NumPy reference.
+
+Quick tier: the unmarked-slow tests (run after every kernel change). Full matrix: `slow`.
+Every run draws fresh random data, poisons the output and checks every element and cache byte.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+import cupa
+from tests import gpu_cases as gc
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+# ---- quick tier -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_decode_basic(cp, rng, dtype):
+    inputs, attrs = gc.build(rng, B=5, H=8, Hk=2, D=128, dtype=dtype)
+    gc.check_against_reference(cp, inputs, attrs, dtype=dtype)
+
+
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+@pytest.mark.parametrize("kq,vq", [("PER_TENSOR", "PER_CHANNEL"), ("PER_CHANNEL", "PER_TENSOR")])
+def test_decode_quantized(cp, rng, cache, kq, vq):
+    inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=128, cache=cache, k_quant=kq, v_quant=vq)
+    gc.check_against_reference(cp, inputs, attrs, cache=cache)
+
+
+def test_decode_features_combined(cp, rng):
+    inputs, attrs = gc.build(rng, B=6, H=8, Hk=2, D=64, rotary=True, interleaved=True, qk_norm=True, sink=True,
+                             softcap=30.0, window=37, packed=True)
+    gc.check_against_reference(cp, inputs, attrs)
+
+
+def test_decode_ragged_prefill_shaped(cp, rng):
+    # token_count > batch_size and zero-token sequences: the decode kernel stays correct
+    inputs, attrs = gc.build(rng, q_lens=[3, 0, 17, 1, 0, 40], past=[5, 9, 0, 100, 0, 31], H=4, Hk=4, D=64,
+                             rotary=True)
+    gc.check_against_reference(cp, inputs, attrs)
+
+
+def test_decode_metadata_bit_identical(cp, rng):
+    inputs, attrs = gc.build(rng, B=3, H=8, Hk=2, D=128, past=[3000, 17, 900], block_size=16)
+    cap = inputs["block_table"].shape[1] * 16
+    outs = []
+    for md in (None, [1, 3001], [1, cap], [5, 10**9], [1, 3001, 17]):
+        fresh = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+        out, _ = gc.check_against_reference(cp, fresh, attrs, metadata=md)
+        outs.append(cp.asnumpy(out).view(np.uint16))
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0]), "attention_metadata changed the result bits"
+
+
+def test_decode_deterministic(cp, rng):
+    inputs, attrs = gc.build(rng, B=2, H=16, Hk=2, D=128, past=[5000, 7000])
+    dev = gc.to_device(cp, inputs)
+    a = cupa.paged_attention(**dev, **attrs)
+    b = cupa.paged_attention(**dev, **attrs)
+    assert np.array_equal(cp.asnumpy(a).view(np.uint16), cp.asnumpy(b).view(np.uint16))
+
+
+def test_decode_slot_mapping_skip(cp, rng):
+    inputs, attrs = gc.build(rng, B=4, H=4, Hk=2, D=64, q_lens=[2, 1, 3, 1])
+    slots = gc.derived_slots(inputs, 16)
+    slots[1] = -1
+    slots[4] = -1
+    inputs["slot_mapping"] = np.asarray(slots, dtype=np.int32)
+    gc.check_against_reference(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("table", ["shared", "unmapped"])
+def test_decode_block_tables(cp, rng, table):
+    inputs, attrs = gc.build(rng, B=4, H=4, Hk=1, D=64, block_table=table, past=[70, 80, 90, 60])
+    gc.check_against_reference(cp, inputs, attrs)
+
+
+def test_decode_malformed(cp, rng):
+    inputs, attrs = gc.build(rng, B=4, H=4, Hk=2, D=64, q_lens=[1, 1, 1, 1], past=[10, 20, 30, 40])
+    inputs["past_seqlens"][1] = -5                       # invalid sequence: zeros, no write
+    inputs["past_seqlens"][2] = 10**6                    # beyond the table: invalid
+    inputs["block_table"][3, 0] = 10**6                   # out-of-range block: masked
+    gc.check_against_reference(cp, inputs, attrs)
+
+
+def test_decode_empty_call(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[0, 0], past=[3, 4], H=4, Hk=2, D=64)
+    dev = gc.to_device(cp, inputs)
+    out = cupa.paged_attention(**dev, **attrs)
+    assert out.shape == (0, 4 * 64)
+
+
+def test_decode_graph_capture(cp, rng):
+    """The call captures into a CUDA graph on a CuPy stream: proof of no host synchronization."""
+    inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=128, past=[100, 200, 300, 400])
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    ref = cupa.paged_attention(**ref_in, **attrs)
+    dev = gc.to_device(cp, inputs)
+    out = cp.full((4, 8 * 128), np.nan, dtype=cp.float16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        cupa.paged_attention(**gc.to_device(cp, inputs), out=cp.empty_like(out), **attrs)  # compile first
+        stream.synchronize()
+        stream.begin_capture()
+        cupa.paged_attention(**dev, out=out, attention_metadata=[1, 512], **attrs)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert gc.rel_error(cp.asnumpy(out), ref) < 2e-3
+
+
+@pytest.mark.parametrize("feature", ["bias", "qk_output", "latent"])
+def test_decode_unsupported_features_raise(cp, rng, feature):
+    inputs, attrs = gc.build(rng, B=2, H=4, Hk=1, D=64)
+    dev = gc.to_device(cp, inputs)
+    if feature == "bias":
+        dev["attention_bias"] = cp.zeros((1, 1, 1, 512), dtype=cp.float16) + 1
+        match = "attention_bias"
+    elif feature == "qk_output":
+        attrs["qk_output"] = 1
+        match = "output_qk"
+    else:
+        dev.pop("value")
+        dev.pop("value_cache")
+        attrs.update(kv_cache_layout="LATENT", scale=0.1)
+        match = "LATENT"
+    with pytest.raises(cupa.PagedAttentionError, match=match):
+        cupa.paged_attention(**dev, **attrs)
+
+
+def test_explain_reports_decode(cp, rng):
+    inputs, attrs = gc.build(rng, B=2, H=4, Hk=1, D=64)
+    op = cupa.PagedAttention(**attrs)
+    text = op.explain(**gc.to_device(cp, inputs))
+    assert "decode: chosen" in text
+
+
+# ---- full matrix (slow) -----------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D", [8, 40, 64, 72, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_matrix_head_sizes(cp, rng, D, dtype):
+    inputs, attrs = gc.build(rng, B=3, H=6, Hk=2, D=D, dtype=dtype, rotary=D >= 16, rotary_dim=min(D, 32) // 8 * 8)
+    gc.check_against_reference(cp, inputs, attrs, dtype=dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("H,Hk", [(4, 4), (6, 2), (8, 1), (16, 2), (32, 2), (24, 8), (12, 12)])
+def test_matrix_groups(cp, rng, H, Hk):
+    inputs, attrs = gc.build(rng, B=3, H=H, Hk=Hk, D=64)
+    gc.check_against_reference(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
+def test_matrix_block_sizes(cp, rng, block_size):
+    inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=128, block_size=block_size, past=[1, 700, 2000, 255])
+    gc.check_against_reference(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("window", [-1, 1, 50])
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_matrix_sink_window_softcap(cp, rng, sink, window, softcap):
+    inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=64, sink=sink, window=window, softcap=softcap,
+                             q_lens=[1, 3, 1, 2], past=[300, 20, 2, 100])
+    gc.check_against_reference(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("rotary,interleaved", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_matrix_prologue(cp, rng, norm, rotary, interleaved, packed):
+    inputs, attrs = gc.build(rng, B=3, H=8, Hk=2, D=128, qk_norm=norm, rotary=rotary, interleaved=interleaved,
+                             packed=packed, rotary_dim=64, rotary_offset=32 if rotary else 0, q_lens=[1, 4, 2])
+    gc.check_against_reference(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+@pytest.mark.parametrize("kq", ["PER_TENSOR", "PER_CHANNEL"])
+@pytest.mark.parametrize("vq", ["PER_TENSOR", "PER_CHANNEL"])
+def test_matrix_quant(cp, rng, dtype, cache, kq, vq):
+    inputs, attrs = gc.build(rng, B=3, H=8, Hk=2, D=128, dtype=dtype, cache=cache, k_quant=kq, v_quant=vq,
+                             rotary=True, sink=True, q_lens=[1, 2, 1])
+    gc.check_against_reference(cp, inputs, attrs, dtype=dtype, cache=cache)
+
+
+@pytest.mark.slow
+def test_matrix_query_positions_and_causal0(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[4, 2, 0, 5], past=[10, 0, 3, 64], H=4, Hk=2, D=64, query_positions=True,
+                             is_causal=0, window=6, rotary=True)
+    gc.check_against_reference(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+def test_matrix_large_batch(cp, rng):
+    B = 512
+    inputs, attrs = gc.build(rng, B=B, H=8, Hk=2, D=64, past=list(rng.integers(0, 300, size=B)))
+    gc.check_against_reference(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+def test_matrix_long_context_splits(cp, rng):
+    inputs, attrs = gc.build(rng, B=2, H=32, Hk=8, D=128, past=[20000, 33000], block_size=16)
+    gc.check_against_reference(cp, inputs, attrs)

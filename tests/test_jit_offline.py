@@ -1,0 +1,237 @@
+"""cupa.jit without a GPU: header inlining, NVRTC offline compiles, and ``python -m cupa.compile``.
+
+NVRTC comes from pip (nvidia-cuda-nvrtc) and works without a device; the smoke kernels live in
+tests/data/jit_smoke.cu. The full registry check runs when cupa.kernels.registry exists.
+"""
+
+import importlib.util
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cupa import compile as cupa_compile
+from cupa import jit
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s*"', re.MULTILINE)
+
+
+def nvrtc_or_skip():
+    try:
+        return jit.nvrtc_version()
+    except Exception as exc:  # no CuPy or no libnvrtc: the offline check cannot run at all
+        pytest.skip(f"NVRTC is not loadable here ({exc}); pip install nvidia-cuda-nvrtc cupy-cuda13x")
+
+
+def smoke(name_expression, options=()):
+    return jit.Specialization("jit_smoke", name_expression, options)
+
+
+# -- source_text --------------------------------------------------------------------------------------
+
+def write(d: Path, files: dict) -> Path:
+    for name, text in files.items():
+        (d / name).write_text(text)
+    return d
+
+
+def test_source_text_inlines_our_headers_once_and_keeps_system_includes(tmp_path):
+    write(tmp_path, {
+        "leaf.cuh": "#pragma once\n#include <cuda_fp16.h>\nconstexpr int LEAF_MARK = 7;\n",
+        "mid.cuh": '#pragma once\n#include "leaf.cuh"\nconstexpr int MID_MARK = LEAF_MARK + 1;\n',
+        "fam.cu": '// family\n#include "mid.cuh"\n#include "leaf.cuh"\n#include <cuda_bf16.h>\n'
+                  "__global__ void k(int* p) { *p = MID_MARK; }\n",
+    })
+    text = jit.source_text("fam.cu", tmp_path)
+    assert not QUOTED_INCLUDE.search(text), text
+    assert text.count("constexpr int LEAF_MARK = 7;") == 1, text
+    assert text.count("constexpr int MID_MARK") == 1
+    assert text.index("LEAF_MARK = 7") < text.index("MID_MARK = LEAF_MARK"), "headers must precede their users"
+    assert "#include <cuda_fp16.h>" in text and "#include <cuda_bf16.h>" in text
+    assert "pragma once" not in text
+    # #line directives bring NVRTC messages back to the original files and lines
+    assert '#line 1 "leaf.cuh"' in text and '#line 1 "mid.cuh"' in text
+    assert '#line 3 "fam.cu"' in text  # after the include on line 2
+    # an edit of a header changes the code string CuPy hashes
+    (tmp_path / "leaf.cuh").write_text("#pragma once\nconstexpr int LEAF_MARK = 8;\n")
+    assert jit.source_text("fam.cu", tmp_path) != text
+
+
+def test_source_text_reports_missing_and_circular_headers(tmp_path):
+    write(tmp_path, {"a.cu": '#include "nope.cuh"\n'})
+    with pytest.raises(FileNotFoundError, match=r'a\.cu:1: #include "nope\.cuh" not found'):
+        jit.source_text("a.cu", tmp_path)
+    write(tmp_path, {"x.cuh": '#include "y.cuh"\n', "y.cuh": '#include "x.cuh"\n', "b.cu": '#include "x.cuh"\n'})
+    with pytest.raises(ValueError, match="circular"):
+        jit.source_text("b.cu", tmp_path)
+    with pytest.raises(FileNotFoundError, match="missing.cu"):
+        jit.source_text("missing.cu", tmp_path)
+
+
+def test_source_dir_is_the_checkouts_cuda_src():
+    assert jit.SOURCE_DIR == REPO / "cuda_src"
+
+
+@pytest.mark.parametrize("family", sorted(p.name for p in (REPO / "cuda_src").glob("*.cu")) or ["(none)"])
+def test_every_kernel_family_inlines_completely(family):
+    if family == "(none)":
+        pytest.skip("cuda_src has no .cu file yet")
+    text = jit.source_text(family)
+    assert not QUOTED_INCLUDE.search(text), f"{family}: a quoted include survived inlining"
+
+
+# -- Specialization, errors, ptxas parsing ------------------------------------------------------------
+
+def test_specialization_is_a_hashable_value_and_rejects_arch_options():
+    a = jit.Specialization("decode", "paged_decode<__half, 128>", ["-DX=1"])
+    assert a.options == ("-DX=1",) and a == jit.Specialization("decode", "paged_decode<__half, 128>", ("-DX=1",))
+    assert len({a, jit.Specialization("decode", "paged_decode<__half, 128>", ("-DX=1",))}) == 1
+    assert a.filename == "decode.cu"
+    with pytest.raises(ValueError, match="architecture"):
+        jit.Specialization("decode", "k", ("-arch=sm_90a",))
+    with pytest.raises(ValueError, match="family"):
+        jit.Specialization("decode.cu", "k")
+
+
+def test_kernel_compile_error_carries_log_and_name_expression():
+    err = jit.KernelCompileError(smoke("smoke_scale<int, 3>"), "jit_smoke.cu(9): error: boom")
+    assert isinstance(err, RuntimeError)
+    assert err.name_expression == "smoke_scale<int, 3>" and "boom" in err.log
+    assert "smoke_scale<int, 3>" in str(err) and "boom" in str(err)
+
+
+def test_parse_ptxas_log_picks_each_entry():
+    text = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z1aPf' for 'sm_90'
+ptxas info    : Function properties for _Z1aPf
+ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem, 400 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z1bPf' for 'sm_90'
+ptxas info    : Function properties for _Z1bPf
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 16 registers, used 0 barriers
+"""
+    stats = jit.parse_ptxas_log(text)
+    assert stats["_Z1aPf"] == dict(registers=40, spill_store_bytes=4, spill_load_bytes=12, stack_bytes=8,
+                                   shared_bytes=1024)
+    assert stats["_Z1bPf"]["registers"] == 16 and stats["_Z1bPf"]["shared_bytes"] == 0
+
+
+# -- offline compiles ---------------------------------------------------------------------------------
+
+def test_cuda_headers_are_found():
+    dirs = jit.cuda_include_dirs()
+    assert os.path.isfile(os.path.join(dirs[0], "cuda_fp16.h")), dirs
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("ctype,block", [("__half", 128), ("__nv_bfloat16", 256), ("float", 64)])
+def test_smoke_kernel_compiles_offline(arch, ctype, block):
+    nvrtc_or_skip()
+    spec = smoke(f"smoke_scale<{ctype}, {block}>")
+    r = jit.compile_offline(spec, arch, source_dir=DATA)
+    assert r.ok, r.log
+    assert r.arch == arch and r.spec == spec
+    assert 0 < r.registers <= 255
+    assert r.shared_bytes == 4 * block  # the kernel's static float tile[BLOCK]
+    assert (r.spill_store_bytes, r.spill_load_bytes) == (0, 0) and not r.spills
+    assert r.lowered_name.startswith("_Z11smoke_scale")
+    assert f"for '{arch}'" in r.log
+    assert r.seconds > 0 and r.cubin is None
+    assert "regs" in r.summary() and arch in r.summary()
+
+
+def test_sm_90a_cubin_for_the_hopper_route():
+    nvrtc_or_skip()
+    r = jit.compile_offline(smoke("smoke_scale<__half, 128>"), "sm_90a", keep_cubin=True, source_dir=DATA)
+    assert r.ok, r.log
+    assert "for 'sm_90a'" in r.log
+    assert r.cubin[:4] == b"\x7fELF"
+
+
+def test_spills_are_reported():
+    nvrtc_or_skip()
+    r = jit.compile_offline(smoke("smoke_pressure<32>", ("-maxrregcount=16",)), "sm_90", source_dir=DATA)
+    assert r.ok, r.log
+    assert r.spills and r.spill_store_bytes > 0 and r.spill_load_bytes > 0
+    free = jit.compile_offline(smoke("smoke_pressure<32>"), "sm_90", source_dir=DATA)
+    assert free.ok and not free.spills and free.registers > r.registers
+
+
+def test_broken_kernel_gives_the_nvrtc_log(tmp_path):
+    nvrtc_or_skip()
+    write(tmp_path, {"broken.cu": '#include "ok.cuh"\ntemplate <int N> __global__ void broken(float* p) {\n'
+                                  "  p[0] = N + undeclared_name;\n}\n",
+                     "ok.cuh": "#pragma once\nconstexpr int OK = 1;\n"})
+    r = jit.compile_offline(jit.Specialization("broken", "broken<3>"), "sm_90", source_dir=tmp_path)
+    assert not r.ok
+    assert "undeclared_name" in r.log and "error" in r.log
+    assert re.search(r"broken\.cu\(3\)", r.log), r.log  # the #line directives keep the original line
+    assert r.registers == -1
+
+
+def test_bad_name_expression_fails_cleanly():
+    nvrtc_or_skip()
+    r = jit.compile_offline(smoke("smoke_scale<__half>"), "sm_90", source_dir=DATA)  # missing BLOCK
+    assert not r.ok and r.log
+
+
+def test_bad_arch_is_rejected():
+    with pytest.raises(ValueError, match="arch"):
+        jit.compile_offline(smoke("smoke_scale<__half, 128>"), "compute_90", source_dir=DATA)
+
+
+# -- python -m cupa.compile ---------------------------------------------------------------------------
+
+def run_main(monkeypatch, specs, argv):
+    monkeypatch.setattr(jit, "SOURCE_DIR", DATA)
+    monkeypatch.setattr(cupa_compile, "registry_specializations", lambda: list(specs))
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    code = cupa_compile.main(argv)
+    return code, out.getvalue()
+
+
+def test_compile_check_lines_summary_and_spill_warning(monkeypatch):
+    nvrtc_or_skip()
+    specs = [smoke("smoke_scale<__half, 128>"), smoke("smoke_pressure<32>", ("-maxrregcount=16",))]
+    code, out = run_main(monkeypatch, specs, ["--check", "--arch", "sm_80,sm_90", "--jobs", "2"])
+    assert code == 0, out
+    lines = out.splitlines()
+    assert sum(line.startswith("ok ") for line in lines) == 4, out
+    assert any(line.startswith("WARNING:") and "smoke_pressure<32>" in line for line in lines), out
+    assert "summary: 4/4 compiled, 0 failed" in out
+
+
+def test_compile_check_exits_nonzero_on_failure(monkeypatch):
+    nvrtc_or_skip()
+    specs = [smoke("smoke_scale<__half, 128>"), smoke("smoke_scale<__half>")]
+    code, out = run_main(monkeypatch, specs, ["--check", "--arch", "sm_90", "--jobs", "2"])
+    assert code == 1, out
+    assert "FAIL" in out and "FAILED: jit_smoke:smoke_scale<__half>" in out
+    assert "summary: 1/2 compiled, 1 failed" in out
+
+
+def test_compile_list(monkeypatch):
+    code, out = run_main(monkeypatch, [smoke("smoke_scale<float, 64>")], ["--list"])
+    assert code == 0 and "smoke_scale<float, 64>" in out and "1 specializations" in out
+
+
+def registry_exists() -> bool:
+    return importlib.util.find_spec("cupa.kernels.registry") is not None
+
+
+@pytest.mark.skipif(not registry_exists(), reason="cupa.kernels.registry does not exist yet (the lead adds it)")
+def test_every_registered_specialization_compiles_for_sm_90():
+    nvrtc_or_skip()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "cupa.compile", "--check", "--arch", "sm_90"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert "summary:" in proc.stdout and " 0 failed" in proc.stdout, proc.stdout[-4000:]
