@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
   if (info.valid) key_range(info, is_causal, window, lo, hi);
   lo = max(lo, split * chunk);
   hi = min(hi, (int)min((long long)(split + 1) * chunk, (long long)hi));
+  if (num_splits > 1 && hi <= lo) return;  // the merge skips splits outside the admitted range
 
   // q chunk for each head, with the K scale folded in (exact: the zero point is 0).
   float qr[GT][8];
@@ -179,24 +180,34 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
 }
 
 // Merge the splits of one (token, head): grid (N, H), threads over channels.
-// Splits are combined in index order; empty splits (l == 0) contribute nothing.
+// The merge finds the token's admitted range itself and reads only the splits that overlap it
+// (the others exited without writing), in index order; a split whose keys were all masked
+// (l == 0) contributes nothing.
 template <typename T>
 __global__ void __launch_bounds__(128) paged_decode_merge(
     const float* __restrict__ part_o, const float2* __restrict__ part_ml, const T* __restrict__ head_sink,
-    const float* __restrict__ v_scale, T* __restrict__ out, int num_heads, int kv_num_heads, int head_size,
-    int num_splits, int v_quant) {
+    const float* __restrict__ v_scale, T* __restrict__ out, const int* __restrict__ cum, const int* __restrict__ past,
+    const int* __restrict__ query_positions, int num_heads, int kv_num_heads, int head_size, int batch_size,
+    int max_blocks, int block_size, int rotary_max_pos, int is_causal, int window, int chunk, int num_splits,
+    int v_quant) {
   const int t = blockIdx.x, h = blockIdx.y, D = head_size;
   const int g = h / (num_heads / kv_num_heads);
+  const TokenInfo info = locate_token(t, cum, past, batch_size, query_positions,
+                                      (long long)max_blocks * block_size, rotary_max_pos);
+  int lo = 0, hi = 0;
+  if (info.valid) key_range(info, is_causal, window, lo, hi);
+  const int s_first = hi > lo ? lo / chunk : 0;
+  const int s_last = hi > lo ? min((hi - 1) / chunk, num_splits - 1) : -1;
   const long long row0 = ((long long)t * num_heads + h) * num_splits;
   float M = CUPA_NEG_INF;
-  for (int s = 0; s < num_splits; ++s) {
+  for (int s = s_first; s <= s_last; ++s) {
     const float2 ml = part_ml[row0 + s];
     if (ml.y > 0.0f) M = fmaxf(M, ml.x);
   }
   const float sink = head_sink ? Act<T>::to_float(head_sink[h]) : 0.0f;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float L = 0.0f, O = 0.0f;
-    for (int s = 0; s < num_splits; ++s) {
+    for (int s = s_first; s <= s_last; ++s) {
       const float2 ml = part_ml[row0 + s];
       if (ml.y > 0.0f) {
         const float c = rescale(ml.x, M);

@@ -35,20 +35,17 @@ struct MmaDecodeSmem {
   static constexpr int total = loop_bytes > combine_bytes + q_bytes ? loop_bytes : combine_bytes + q_bytes;
 };
 
-// Widen 16 cache codes to 16 T values.
+// Widen 16 cache codes (one 16-byte chunk) to 16 T values (two 16-byte chunks).
 template <typename T, typename Cache>
 CUPA_DEVICE void widen16(const typename Cache::storage* src, T* dst_lo, T* dst_hi) {
-  Vec8<typename Cache::storage> a, b;
-  a.load(src);
-  b.load(src + 8);
-  Vec8<T> x, y;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    x.elems()[i] = Act<T>::from_float(Cache::decode(a.elems()[i]));
-    y.elems()[i] = Act<T>::from_float(Cache::decode(b.elems()[i]));
-  }
-  x.store(dst_lo);
-  y.store(dst_hi);
+  const uint4 w = *reinterpret_cast<const uint4*>(src);
+  uint4 a, b;
+  Widen4<T, Cache>::run(w.x, a.x, a.y);
+  Widen4<T, Cache>::run(w.y, a.z, a.w);
+  Widen4<T, Cache>::run(w.z, b.x, b.y);
+  Widen4<T, Cache>::run(w.w, b.z, b.w);
+  *reinterpret_cast<uint4*>(dst_lo) = a;
+  *reinterpret_cast<uint4*>(dst_hi) = b;
 }
 
 template <typename T, typename Cache, int D>
@@ -94,6 +91,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
   lo = max(lo, split * chunk);
   hi = (int)min((long long)hi, (long long)(split + 1) * chunk);
   const int ntiles = hi > lo ? (hi - lo + KEY_TILE - 1) / KEY_TILE : 0;
+  if (num_splits > 1 && ntiles == 0) return;  // the merge skips splits outside the admitted range
 
   // Q rows (K scale folded in per channel), zero rows past the chunk's heads.
   for (int c = tid; c < MMA_ROWS * (D / 8); c += blockDim.x) {

@@ -1,6 +1,6 @@
 // Fused prologue (SPEC 4.1): one pass over the new tokens.
-// One CTA owns one packed token; each warp takes whole head rows in turn: the H query heads,
-// then the Hk key heads, then the Hk value heads (none in LATENT). A row is staged in shared
+// A CTA owns one packed token and up to 4 of its head rows (blockIdx.y picks which): the H query
+// heads, then the Hk key heads, then the Hk value heads (none in LATENT); one warp per row. A row is staged in shared
 // memory as floats, QK-normed and rotated (Q and K rows), rounded to T, then Q goes to the
 // (N, H, D) workspace the attention kernels read, and K/V are encoded into their cache slot.
 // Reads: query/key/value, cum, past_seqlens, block_table or slot_mapping, rotary and norm
@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(128) paged_prologue(
   const T* k_src = packed ? q_src + H * D : key + t * kv_stride;
   const T* v_src = packed ? q_src + (H + Hk) * D : (has_value ? value + t * kv_stride : nullptr);
 
-  for (int r = warp; r < rows; r += num_warps) {
+  for (int r = blockIdx.y * num_warps + warp; r < rows; r += num_warps * gridDim.y) {
     const bool is_q = r < H, is_k = !is_q && r < H + Hk;
     const int head = is_q ? r : (is_k ? r - H : r - H - Hk);
     if (!is_q && slot < 0) continue;  // nothing to write for this token

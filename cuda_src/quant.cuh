@@ -43,3 +43,58 @@ struct CacheFp8 {
 CUPA_DEVICE float quant_scale(const float* scale, int mode, int kv_head, int head_size, int c) {
   return mode == QUANT_PER_CHANNEL ? scale[kv_head * head_size + c] : scale[0];
 }
+
+// Widen 4 cache codes (one 32-bit word, code i in byte i) to 4 values of T, packed in pairs
+// (lo = codes 0,1; hi = codes 2,3). Exact: int8 and e4m3 values are representable in fp16/bf16.
+template <typename T, typename Cache> struct Widen4 {
+  static CUPA_DEVICE void run(unsigned w, unsigned& lo, unsigned& hi) {
+    T v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      v[i] = Act<T>::from_float(Cache::decode(static_cast<typename Cache::storage>((w >> (8 * i)) & 0xffu)));
+    lo = *reinterpret_cast<unsigned*>(&v[0]);
+    hi = *reinterpret_cast<unsigned*>(&v[2]);
+  }
+};
+
+CUPA_DEVICE unsigned half2_bits(__half2 h) { return *reinterpret_cast<unsigned*>(&h); }
+CUPA_DEVICE __half2 bits_half2(unsigned u) { return *reinterpret_cast<__half2*>(&u); }
+CUPA_DEVICE unsigned half2_to_bf162_bits(unsigned u) {
+  __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(bits_half2(u)));
+  return *reinterpret_cast<unsigned*>(&b);
+}
+
+// int8 -> fp16 without conversions: 0x64XX is the half 1024 + XX; bias the code by 128 first.
+CUPA_DEVICE void int8x4_to_half2x2(unsigned w, unsigned& lo, unsigned& hi) {
+  const unsigned u = w ^ 0x80808080u;
+  const __half2 bias = bits_half2(0x64806480u);  // 1152 = 1024 + 128
+  lo = half2_bits(__hsub2(bits_half2(__byte_perm(u, 0x64646464u, 0x4140)), bias));
+  hi = half2_bits(__hsub2(bits_half2(__byte_perm(u, 0x64646464u, 0x4342)), bias));
+}
+// e4m3 pairs -> fp16 pairs (one cvt per pair on sm_89+).
+CUPA_DEVICE void fp8x4_to_half2x2(unsigned w, unsigned& lo, unsigned& hi) {
+  __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+  __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+  lo = (unsigned)a.x | ((unsigned)a.y << 16);
+  hi = (unsigned)b.x | ((unsigned)b.y << 16);
+}
+template <> struct Widen4<__half, CacheInt8> {
+  static CUPA_DEVICE void run(unsigned w, unsigned& lo, unsigned& hi) { int8x4_to_half2x2(w, lo, hi); }
+};
+template <> struct Widen4<__half, CacheFp8> {
+  static CUPA_DEVICE void run(unsigned w, unsigned& lo, unsigned& hi) { fp8x4_to_half2x2(w, lo, hi); }
+};
+template <> struct Widen4<__nv_bfloat16, CacheInt8> {
+  static CUPA_DEVICE void run(unsigned w, unsigned& lo, unsigned& hi) {
+    int8x4_to_half2x2(w, lo, hi);
+    lo = half2_to_bf162_bits(lo);
+    hi = half2_to_bf162_bits(hi);
+  }
+};
+template <> struct Widen4<__nv_bfloat16, CacheFp8> {
+  static CUPA_DEVICE void run(unsigned w, unsigned& lo, unsigned& hi) {
+    fp8x4_to_half2x2(w, lo, hi);
+    lo = half2_to_bf162_bits(lo);
+    hi = half2_to_bf162_bits(hi);
+  }
+};

@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from .contract import ArrayInfo
-from .errors import PagedAttentionError, fail
+from .errors import fail
 
 __all__ = [
     "library_of", "dtype_name", "describe", "device_of", "to_cupy", "device_arrays", "resolve_stream",

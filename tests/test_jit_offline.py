@@ -8,6 +8,7 @@ import importlib.util
 import io
 import os
 import re
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,10 @@ def nvrtc_or_skip():
 
 
 def smoke(name_expression, options=()):
-    return jit.Specialization("jit_smoke", name_expression, options)
+    """A smoke specialization with a fresh nonce: where a driver is installed, NVRTC would answer a
+    repeated compile from the CUDA compute cache, and ptxas would print no statistics."""
+    nonce = f"-DJIT_SMOKE_NONCE={secrets.randbits(31)}"
+    return jit.Specialization("jit_smoke", name_expression, tuple(options) + (nonce,))
 
 
 # -- source_text --------------------------------------------------------------------------------------
@@ -100,7 +104,8 @@ def test_specialization_is_a_hashable_value_and_rejects_arch_options():
 
 
 def test_kernel_compile_error_carries_log_and_name_expression():
-    err = jit.KernelCompileError(smoke("smoke_scale<int, 3>"), "jit_smoke.cu(9): error: boom")
+    spec = jit.Specialization("jit_smoke", "smoke_scale<int, 3>")
+    err = jit.KernelCompileError(spec, "jit_smoke.cu(9): error: boom")
     assert isinstance(err, RuntimeError)
     assert err.name_expression == "smoke_scale<int, 3>" and "boom" in err.log
     assert "smoke_scale<int, 3>" in str(err) and "boom" in str(err)
@@ -136,7 +141,7 @@ def test_smoke_kernel_compiles_offline(arch, ctype, block):
     nvrtc_or_skip()
     spec = smoke(f"smoke_scale<{ctype}, {block}>")
     r = jit.compile_offline(spec, arch, source_dir=DATA)
-    assert r.ok, r.log
+    assert r.ok and r.has_stats, r.log
     assert r.arch == arch and r.spec == spec
     assert 0 < r.registers <= 255
     assert r.shared_bytes == 4 * block  # the kernel's static float tile[BLOCK]
@@ -161,7 +166,7 @@ def test_spills_are_reported():
     assert r.ok, r.log
     assert r.spills and r.spill_store_bytes > 0 and r.spill_load_bytes > 0
     free = jit.compile_offline(smoke("smoke_pressure<32>"), "sm_90", source_dir=DATA)
-    assert free.ok and not free.spills and free.registers > r.registers
+    assert free.ok and free.has_stats and not free.spills and free.registers > r.registers
 
 
 def test_broken_kernel_gives_the_nvrtc_log(tmp_path):
@@ -174,6 +179,14 @@ def test_broken_kernel_gives_the_nvrtc_log(tmp_path):
     assert "undeclared_name" in r.log and "error" in r.log
     assert re.search(r"broken\.cu\(3\)", r.log), r.log  # the #line directives keep the original line
     assert r.registers == -1
+
+
+def test_compile_without_ptxas_statistics_is_ok_but_says_so(monkeypatch):
+    nvrtc_or_skip()
+    monkeypatch.setattr(jit, "parse_ptxas_log", lambda text: {})  # what a compute-cache hit looks like
+    r = jit.compile_offline(smoke("smoke_scale<float, 64>"), "sm_90", keep_cubin=True, source_dir=DATA)
+    assert r.ok and not r.has_stats and r.registers == -1 and r.cubin
+    assert "CUDA_CACHE_DISABLE" in r.log and "no ptxas statistics" in r.summary()
 
 
 def test_bad_name_expression_fails_cleanly():

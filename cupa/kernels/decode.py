@@ -131,8 +131,12 @@ class DecodeBackend:
             merge = jit.get_kernel(registry.merge_spec(p.dtype))
             merge(
                 (p.token_count, p.num_heads), (MERGE_THREADS,),
-                (part_o, part_ml, ptr(dev["head_sink"]), ptr(dev["v_scale"]), out, i32(p.num_heads),
-                 i32(p.kv_num_heads), i32(p.head_size), i32(num_splits), i32(types.QUANT_CODE[p.v_quant])),
+                (part_o, part_ml, ptr(dev["head_sink"]), ptr(dev["v_scale"]), out,
+                 dev["cumulative_sequence_length"], dev["past_seqlens"], ptr(dev["query_positions"]),
+                 i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.batch_size),
+                 i32(p.max_blocks_per_seq), i32(p.block_size), i32(p.rotary_max_pos if p.rotary_dim else 0),
+                 i32(a.is_causal), i32(a.local_window_size), i32(chunk), i32(num_splits),
+                 i32(types.QUANT_CODE[p.v_quant])),
             )
 
 

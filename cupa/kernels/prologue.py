@@ -18,8 +18,9 @@ def launch_prologue(problem: Problem, dev: dict, q_workspace) -> None:
     p, a = problem, problem.attrs
     kernel = jit.get_kernel(registry.prologue_spec(p.dtype, p.cache_kind))
     shared = (PROLOGUE_THREADS // 32) * p.head_size * 4
+    rows = p.num_heads + p.kv_num_heads * (1 if p.latent else 2)
     kernel(
-        (p.token_count,), (PROLOGUE_THREADS,),
+        (p.token_count, -(-rows // (PROLOGUE_THREADS // 32))), (PROLOGUE_THREADS,),
         (dev["query"], ptr(dev["key"]), ptr(dev["value"]), dev["key_cache"], ptr(dev["value_cache"]),
          dev["cumulative_sequence_length"], dev["past_seqlens"], dev["block_table"],
          ptr(dev["cos_cache"]), ptr(dev["sin_cache"]), ptr(dev["slot_mapping"]),
