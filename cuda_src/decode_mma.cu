@@ -168,14 +168,15 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
     const T* sK;
     const T* sV;
     if constexpr (Cache::quantized) {
+      // Each warp widens only its own 16 key rows, so no CTA-wide barrier is needed here.
       const C* rK = reinterpret_cast<const C*>(stages + stage * L::stage_bytes);
       const C* rV = rK + KEY_TILE * D;
-      for (int c = tid; c < KEY_TILE * D / 16; c += blockDim.x) {
-        const int key = c / (D / 16), col = (c % (D / 16)) * 16;
+      for (int c = lane; c < 16 * D / 16; c += 32) {
+        const int key = warp * 16 + c / (D / 16), col = (c % (D / 16)) * 16;
         widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
         widen16<T, Cache>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
       }
-      __syncthreads();
+      __syncwarp();
       sK = sKw;
       sV = sVw;
     } else {

@@ -21,8 +21,10 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 
+import ml_dtypes
 import numpy as np
 
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 #: Relative-error bound per T (SPEC section 6): ||out - ref|| / ||ref||.
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}
 
@@ -176,6 +178,15 @@ def rotate(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarra
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def rotate_magnitude(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """|x1*cos| + |x2*sin| per output channel of :func:`rotate`: the size of the terms it adds."""
+    half = x.shape[-1] // 2
+    c = np.abs(cos[positions][:, None, :])
+    s = np.abs(sin[positions][:, None, :])
+    x1, x2 = np.abs(x[..., :half]), np.abs(x[..., half:])
+    return np.concatenate([x1 * c + x2 * s, x2 * c + x1 * s], axis=-1)
+
+
 def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
                     scale: float) -> np.ndarray:
     """Causal GQA attention of one sequence in float64.
@@ -197,6 +208,11 @@ def _round(x: np.ndarray, dtype) -> np.ndarray:
     return x.astype(dtype).astype(np.float64)
 
 
+def _ulp(x: np.ndarray, dtype) -> np.ndarray:
+    """One unit in the last place of T at |x|, as float64."""
+    return np.spacing(np.abs(x).astype(dtype)).astype(np.float64)
+
+
 def run_demo(prompt_lens=(37, 5, 21), decode_steps: int = 4, backend: str = "auto",
              seed: int | None = None, model: DemoModel | None = None, out=sys.stdout) -> bool | None:
     """Prefill then decode, each step checked against dense attention; prints a report.
@@ -204,13 +220,12 @@ def run_demo(prompt_lens=(37, 5, 21), decode_steps: int = 4, backend: str = "aut
     Returns True on PASS, False on FAIL, None when ``backend="cuda"`` was asked for and is unavailable.
     """
     import cupa
-    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
 
     model = model or DemoModel()
     seed = secrets.randbits(31) if seed is None else seed
     rng = np.random.default_rng(seed)
     H, Hk, D, bs = model.num_heads, model.kv_num_heads, model.head_size, model.block_size
-    T = np.dtype(model.dtype)
+    T = np.dtype(DTYPES[model.dtype])
     tol = TOLERANCE[model.dtype]
     say = lambda line="": print(line, file=out)  # noqa: E731
 
@@ -246,9 +261,12 @@ def run_demo(prompt_lens=(37, 5, 21), decode_steps: int = 4, backend: str = "aut
     scale = 1.0 / math.sqrt(D)
     op = cupa.PagedAttention(num_heads=H, kv_num_heads=Hk, do_rotary=1)
 
-    # The demo's own record of each sequence's rotated keys and values (float64 of T values).
+    # The demo's own record of each sequence's rotated keys and values (float64 of T values), and
+    # how far a written key may be from it: one unit in the last place of T, plus the float32
+    # rounding of RoPE on the GPU (which cancellation can make larger than T's ulp for float32).
     history_k = [np.zeros((0, Hk, D)) for _ in range(batch)]
     history_v = [np.zeros((0, Hk, D)) for _ in range(batch)]
+    key_tolerance = [np.zeros((0, Hk, D)) for _ in range(batch)]
 
     say(f"cupa {cupa.__version__} demo: paged prefill + {decode_steps} decode steps, checked against "
         "dense float64 attention")
@@ -295,17 +313,20 @@ def run_demo(prompt_lens=(37, 5, 21), decode_steps: int = 4, backend: str = "aut
             rows_b = slice(cum[b], cum[b + 1])
             positions = past[b] + np.arange(q_lens[b])
             q_rot = _round(rotate(q[rows_b].astype(np.float64).reshape(-1, H, D), positions, cos_t, sin_t), T)
-            k_rot = _round(rotate(k[rows_b].astype(np.float64).reshape(-1, Hk, D), positions, cos_t, sin_t), T)
+            k_new = k[rows_b].astype(np.float64).reshape(-1, Hk, D)
+            k_rot = _round(rotate(k_new, positions, cos_t, sin_t), T)
+            k_magnitude = rotate_magnitude(k_new, positions, cos_t, sin_t)
             history_k[b] = np.concatenate([history_k[b], k_rot])
+            key_tolerance[b] = np.concatenate([key_tolerance[b], _ulp(k_rot, T) + 2.0**-22 * k_magnitude])
             history_v[b] = np.concatenate([history_v[b], v[rows_b].astype(np.float64).reshape(-1, Hk, D)])
             expected[rows_b] = dense_attention(q_rot, history_k[b], history_v[b], positions, scale)
-            # Gather this sequence's pages back into a dense history and compare with the record:
-            # RoPE in float32 (GPU) vs float64 (here) may differ by one unit in the last place.
+            # Gather this sequence's pages back into a dense history and compare with the record;
+            # values are copied, so they must match exactly.
             kv_len = past[b] + q_lens[b]
             slots = block_table[b][np.arange(kv_len) // bs], np.arange(kv_len) % bs
-            for got, want in ((kc[slots], history_k[b]), (vc[slots], history_v[b])):
-                ulp = np.spacing(np.abs(want).astype(T)).astype(np.float64)
-                step_cache_ok &= bool(np.all(np.abs(got.astype(np.float64) - want) <= ulp))
+            for got, want, tolerance in ((kc[slots], history_k[b], key_tolerance[b]),
+                                         (vc[slots], history_v[b], 0.0)):
+                step_cache_ok &= bool(np.all(np.abs(got.astype(np.float64) - want) <= tolerance))
         rel = float(np.linalg.norm(output - expected) / np.linalg.norm(expected))
         max_abs = float(np.max(np.abs(output - expected)))
         worst = max(worst, rel)
@@ -333,8 +354,8 @@ def run_demo(prompt_lens=(37, 5, 21), decode_steps: int = 4, backend: str = "aut
     passed = worst <= tol and cache_ok
     verdict = "PASS" if passed else "FAIL"
     say(f"result: {verdict} (max rel err {worst:.2e}, bound {tol:.0e} for {T.name}; cache writes "
-        f"{'within one ulp' if cache_ok else 'WRONG'}; {elapsed:.2f} s"
-        f"{', first GPU call includes the NVRTC compile' if on_gpu else ''})")
+        f"{'match' if cache_ok else 'DIFFER from the expected K/V'}; {elapsed:.2f} s"
+        f"{', including the first GPU call, which compiles or loads the kernels' if on_gpu else ''})")
     return passed
 
 

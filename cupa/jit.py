@@ -190,7 +190,8 @@ def get_kernel(spec: Specialization):
     """The compiled kernel of ``spec`` on the current CuPy device (a ``cupy.RawKernel``).
 
     Compiled once per ``(spec, device)`` and memoized (thread-safe); CuPy's disk cache makes a
-    later process skip NVRTC. Raises :class:`KernelCompileError` with NVRTC's log on failure.
+    later process skip NVRTC. Raises :class:`KernelCompileError` with NVRTC's log on failure, and
+    ``cupa.graphs.GraphCaptureError`` instead of compiling while a CUDA-graph capture is active.
     """
     cupy = _cupy_module()
     device_id = cupy.cuda.runtime.getDevice()
@@ -198,6 +199,9 @@ def get_kernel(spec: Specialization):
     kernel = _modules.get(key)
     if kernel is not None:
         return kernel
+    from .graphs import check_compile_allowed  # no compile (or module load) inside a CUDA-graph capture
+
+    check_compile_allowed(spec)
     with _modules_lock:
         kernel = _modules.get(key)
         if kernel is not None:

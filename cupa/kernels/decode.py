@@ -10,8 +10,9 @@ no admitted key exits after reading its token's lengths.
 from __future__ import annotations
 
 import math
+import os
 
-from .. import jit
+from .. import graphs, jit
 from ..contract import Problem
 from . import launch, registry, types
 from .prologue import launch_prologue
@@ -20,7 +21,8 @@ from .types import f32, i32, ptr
 DECODE_THREADS = 128
 MERGE_THREADS = 128
 MIN_CHUNK = 256
-CTAS_PER_SM_TARGET = 8
+# CTAs per SM the split plan aims for over the static capacity (a tuning knob for benchmarks).
+CTAS_PER_SM_TARGET = int(os.environ.get("CUPA_DECODE_CTAS_PER_SM", "4"))
 
 
 MMA_ROWS = 16  # query heads per tensor-core CTA (the m16n8k16 tile's rows)
@@ -93,6 +95,7 @@ class DecodeBackend:
         cp = call.cupy
         with call:
             q_ws = cp.empty((p.token_count, p.num_heads, p.head_size), dtype=call.dev["query"].dtype)
+            graphs.keep_alive(q_ws)  # workspaces live as long as a graph that captured them
             launch_prologue(p, call.dev, q_ws)
             self._attend(p, call, q_ws)
         return call.finish()
@@ -106,6 +109,7 @@ class DecodeBackend:
             rows = p.token_count * p.num_heads * num_splits
             part_o = cp.empty((rows, p.head_size), dtype=cp.float32)
             part_ml = cp.empty((rows, 2), dtype=cp.float32)
+            graphs.keep_alive(part_o, part_ml)
         else:
             part_o = part_ml = None
         common_args = (
