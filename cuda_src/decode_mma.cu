@@ -227,12 +227,14 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
     }
     l0 = l0 * c0 + (p[0][0] + p[0][1] + p[1][0] + p[1][1]);
     l1 = l1 * c1 + (p[0][2] + p[0][3] + p[1][2] + p[1][3]);
+    if (__any_sync(0xffffffffu, c0 != 1.0f || c1 != 1.0f)) {  // the running max rarely moves in decode
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][0] *= c0;
-      o[n][1] *= c0;
-      o[n][2] *= c1;
-      o[n][3] *= c1;
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][0] *= c0;
+        o[n][1] *= c0;
+        o[n][2] *= c1;
+        o[n][3] *= c1;
+      }
     }
     unsigned a[4] = {Mma<T>::pack(p[0][0], p[0][1]), Mma<T>::pack(p[0][2], p[0][3]),
                      Mma<T>::pack(p[1][0], p[1][1]), Mma<T>::pack(p[1][2], p[1][3])};

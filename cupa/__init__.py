@@ -13,14 +13,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "paged_attention", "PagedAttention", "PagedAttentionError", "Attributes", "Problem",
-    "rope_cache", "compute_scale", "quantize", "dequantize", "capture_graph", "__version__",
+    "rope_cache", "compute_scale", "quantize", "dequantize", "capture_graph",
+    "CapturedGraph", "GraphCaptureError", "__version__",
 ]
 
 
 def __getattr__(name):
     # The graph helper imports CuPy; keep `import cupa` free of it.
-    if name == "capture_graph":
-        from .graphs import capture_graph
+    if name in ("capture_graph", "CapturedGraph", "GraphCaptureError"):
+        from . import graphs
 
-        return capture_graph
+        return getattr(graphs, name)
     raise AttributeError(f"module 'cupa' has no attribute {name!r}")

@@ -55,7 +55,8 @@ class PagedAttention:
         # num_heads / kv_num_heads default to None only so that leaving one out is a
         # PagedAttentionError naming it (Attributes rejects None), like any other violation.
         self.attributes = Attributes(num_heads=num_heads, kv_num_heads=kv_num_heads, **attributes)
-        self._problems = {}   # (metadata, (shape, dtype) per input) -> Problem; see _problem()
+        # (metadata, (type, shape, dtype) per input) -> [Problem, backend or None]; see _memo_entry()
+        self._problems = {}
 
     def __repr__(self) -> str:
         default = Attributes(num_heads=1, kv_num_heads=1)
@@ -84,31 +85,36 @@ class PagedAttention:
             inputs[name] = value
         return inputs
 
-    def _problem(self, inputs: dict) -> Problem:
-        """Validate the bound inputs (shapes, dtypes, attributes, host metadata) into a Problem.
+    def _memo_entry(self, inputs: dict) -> list:
+        """``[problem, backend or None]`` for the bound inputs, validating them on a memo miss.
 
         validate() is a pure function of the attributes, the inputs' (shape, dtype) and the
-        metadata values, so its result is memoized per op on exactly that key: a repeated
-        call with the same shapes costs one tuple build and one dict lookup.
+        metadata values, and the backend choice a pure function of the Problem and of each input's
+        library (NumPy or device, a function of its type): both are memoized per op on exactly
+        that key, so a repeated call with the same shapes costs one tuple build and one dict lookup.
         """
         mdv = metadata_values(inputs["attention_metadata"])
         try:
             key = [mdv]
             for x in map(inputs.__getitem__, _TENSOR_INPUTS):
-                key.append(None if x is None else (x.shape, x.dtype))
+                key.append(None if x is None else (type(x), x.shape, x.dtype))
             key = tuple(key)
-            problem = self._problems.get(key)
+            entry = self._problems.get(key)
         except (AttributeError, TypeError):   # not an array, or unhashable shape/dtype: no memo
-            key = problem = None
-        if problem is not None:
-            return problem
+            key = entry = None
+        if entry is not None:
+            return entry
         infos = {name: _describe(name, inputs[name]) for name in _TENSOR_INPUTS}
-        problem = validate(self.attributes, infos, mdv)
+        entry = [validate(self.attributes, infos, mdv), None]
         if key is not None:
             if len(self._problems) >= 64:
                 self._problems.clear()
-            self._problems[key] = problem
-        return problem
+            self._problems[key] = entry
+        return entry
+
+    def _problem(self, inputs: dict) -> Problem:
+        """Validate the bound inputs (shapes, dtypes, attributes, host metadata) into a Problem (memoized)."""
+        return self._memo_entry(inputs)[0]
 
     def plan(self, *args, **kwargs):
         """Validate the inputs and pick a backend; returns ``(problem, backend, inputs)``.
@@ -117,9 +123,12 @@ class PagedAttention:
         of attention_metadata raises :class:`PagedAttentionError` here, before any backend runs.
         """
         inputs = self._bind(args, kwargs)
-        problem = self._problem(inputs)
-        backend = dispatch.select_backend(problem, inputs)
-        return problem, backend, inputs
+        entry = self._memo_entry(inputs)
+        backend = entry[1]
+        if backend is None:
+            # A mix of host and device inputs, or no backend for the problem, raises here (never memoized).
+            backend = entry[1] = dispatch.select_backend(entry[0], inputs)
+        return entry[0], backend, inputs
 
     def explain(self, *args, **kwargs) -> str:
         """Which backend these inputs would run on and, for every other backend, why not."""
