@@ -11,6 +11,7 @@
 // Host values that size the launch: token_count, head counts, num_splits (from the static
 // capacity or the attention_metadata bound) and chunk (static); none enters a mask.
 #include "common.cuh"
+#include "epilogue.cuh"
 #include "paged.cuh"
 #include "quant.cuh"
 #include "softmax.cuh"
@@ -156,27 +157,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
   }
   __syncthreads();
 
-  for (int e = threadIdx.x; e < nh * D; e += blockDim.x) {
-    const int gi = e / D, d = e % D;
-    float M = CUPA_NEG_INF;
-    for (int w = 0; w < DECODE_WARPS; ++w) M = fmaxf(M, sm_m[w][gi]);
-    float L = 0.0f, O = 0.0f;
-    for (int w = 0; w < DECODE_WARPS; ++w) {
-      const float c = rescale(sm_m[w][gi], M);
-      L = L * 1.0f + sm_l[w][gi] * c;
-      O = O + sm_o[w][gi][d] * c;
-    }
-    const int h = h0 + gi;
-    if (num_splits == 1) {
-      const float sink = head_sink ? Act<T>::to_float(head_sink[h]) : 0.0f;
-      const float vs = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
-      out[((long long)t * H + h) * D + d] = Act<T>::from_float(finalize(M, L, O, head_sink != nullptr, sink, vs));
-    } else {
-      const long long row = ((long long)t * H + h) * num_splits + split;
-      part_o[row * D + d] = O;
-      if (d == 0) part_ml[row] = make_float2(M, L);
-    }
-  }
+  store_rows<T>(&sm_m[0][0], &sm_l[0][0], &sm_o[0][0][0], DECODE_WARPS, GT, MAX_HEAD_SIZE, nh, D, t, h0, H, g, split,
+                num_splits, head_sink, v_scale, v_quant, out, part_o, part_ml);
 }
 
 // Merge the splits of one (token, head): grid (N, H), threads over channels.

@@ -11,6 +11,7 @@
 // paged_decode_merge (decode.cu). Host values that size the launch: token_count, head counts,
 // num_splits and chunk (see decode.cu); none enters a mask.
 #include "common.cuh"
+#include "epilogue.cuh"
 #include "mma.cuh"
 #include "paged.cuh"
 #include "quant.cuh"
@@ -277,25 +278,6 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
   }
   __syncthreads();
 
-  for (int e = tid; e < nh * D; e += blockDim.x) {
-    const int r = e / D, d = e % D;
-    float M = CUPA_NEG_INF;
-    for (int w = 0; w < MMA_WARPS; ++w) M = fmaxf(M, cm[w * MMA_ROWS + r]);
-    float Lsum = 0.0f, O = 0.0f;
-    for (int w = 0; w < MMA_WARPS; ++w) {
-      const float c = rescale(cm[w * MMA_ROWS + r], M);
-      Lsum = Lsum * 1.0f + cl[w * MMA_ROWS + r] * c;
-      O = O + co[(w * MMA_ROWS + r) * D + d] * c;
-    }
-    const int h = h0 + r;
-    if (num_splits == 1) {
-      const float sink = head_sink ? Act<T>::to_float(head_sink[h]) : 0.0f;
-      const float vs = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
-      out[((long long)t * H + h) * D + d] = Act<T>::from_float(finalize(M, Lsum, O, head_sink != nullptr, sink, vs));
-    } else {
-      const long long row = ((long long)t * H + h) * num_splits + split;
-      part_o[row * D + d] = O;
-      if (d == 0) part_ml[row] = make_float2(M, Lsum);
-    }
-  }
+  store_rows<T>(cm, cl, co, MMA_WARPS, MMA_ROWS, D, nh, D, t, h0, H, g, split, num_splits, head_sink, v_scale,
+                v_quant, out, part_o, part_ml);
 }
