@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any
 
 from . import arrays, dispatch
@@ -11,7 +13,8 @@ from .errors import PagedAttentionError, fail
 _TENSOR_INPUTS = tuple(n for n in INPUT_NAMES if n != "attention_metadata")
 _N_INPUTS = len(INPUT_NAMES)
 _INPUT_INDEX = {name: i for i, name in enumerate(INPUT_NAMES)}
-_NONES = (None,) * _N_INPUTS
+_ALL_NONE = dict.fromkeys(INPUT_NAMES)
+_GET_TENSORS = operator.itemgetter(*_TENSOR_INPUTS)
 
 
 def _describe(name: str, x):
@@ -71,7 +74,8 @@ class PagedAttention:
         if n > _N_INPUTS:
             raise PagedAttentionError(f"inputs: got {n} positional inputs; expected at most {_N_INPUTS} "
                                       f"(the ONNX input order {list(INPUT_NAMES)})")
-        inputs = dict(zip(INPUT_NAMES, args + _NONES[n:] if n < _N_INPUTS else args))
+        inputs = _ALL_NONE.copy()
+        inputs.update(zip(INPUT_NAMES, args))
         for name, value in kwargs.items():
             pos = _INPUT_INDEX.get(name)
             if pos is None:
@@ -95,10 +99,7 @@ class PagedAttention:
         """
         mdv = metadata_values(inputs["attention_metadata"])
         try:
-            key = [mdv]
-            for x in map(inputs.__getitem__, _TENSOR_INPUTS):
-                key.append(None if x is None else (type(x), x.shape, x.dtype))
-            key = tuple(key)
+            key = (mdv, *[None if x is None else (type(x), x.shape, x.dtype) for x in _GET_TENSORS(inputs)])
             entry = self._problems.get(key)
         except (AttributeError, TypeError):   # not an array, or unhashable shape/dtype: no memo
             key = entry = None
@@ -142,8 +143,12 @@ class PagedAttention:
 
         The caches are updated in place. See :func:`paged_attention` for every input.
         """
-        problem, backend, inputs = self.plan(*args, **kwargs)
-        return backend.run(problem, inputs, out=out, stream=stream)
+        inputs = self._bind(args, kwargs)          # what plan() does, inlined: this path runs every step
+        entry = self._memo_entry(inputs)
+        backend = entry[1]
+        if backend is None:
+            backend = entry[1] = dispatch.select_backend(entry[0], inputs)
+        return backend.run(entry[0], inputs, out=out, stream=stream)
 
 
 def paged_attention(query, key=None, value=None, key_cache=None, value_cache=None,
@@ -203,15 +208,44 @@ def paged_attention(query, key=None, value=None, key_cache=None, value_cache=Non
     output : (N, H*v_head_size) array of T, in the library of ``query``
     output_qk : (H, N, kv_capacity) float32, only when ``qk_output != 0``
     """
-    op = PagedAttention(num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, softcap=softcap,
-                        local_window_size=local_window_size, is_causal=is_causal, do_rotary=do_rotary,
-                        rotary_interleaved=rotary_interleaved, rotary_offset=rotary_offset,
-                        qk_norm_epsilon=qk_norm_epsilon, k_quant_type=k_quant_type, v_quant_type=v_quant_type,
-                        k_cache_dtype=k_cache_dtype, v_cache_dtype=v_cache_dtype,
-                        kv_cache_layout=kv_cache_layout, v_head_size=v_head_size, qk_output=qk_output)
+    op = _op_for(num_heads, kv_num_heads, scale, softcap, local_window_size, is_causal, do_rotary,
+                 rotary_interleaved, rotary_offset, qk_norm_epsilon, k_quant_type, v_quant_type, k_cache_dtype,
+                 v_cache_dtype, kv_cache_layout, v_head_size, qk_output)
     return op(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens,
               block_table, cos_cache, sin_cache, slot_mapping, head_sink, q_norm_weight, k_norm_weight,
               k_scale, v_scale, attention_metadata, query_positions, attention_bias, out=out, stream=stream)
+
+
+_ATTRIBUTE_ORDER = ("num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "is_causal", "do_rotary",
+                    "rotary_interleaved", "rotary_offset", "qk_norm_epsilon", "k_quant_type", "v_quant_type",
+                    "k_cache_dtype", "v_cache_dtype", "kv_cache_layout", "v_head_size", "qk_output")
+
+
+@functools.lru_cache(maxsize=64, typed=True)
+def _bound_op(*values) -> PagedAttention:
+    return PagedAttention(**dict(zip(_ATTRIBUTE_ORDER, values)))
+
+
+def _op_for(*values) -> PagedAttention:
+    """The bound op of paged_attention()'s attribute values, reused across calls (its plan memo with it).
+
+    ``typed=True``: values equal across types (``True`` and ``1``, ``1`` and ``1.0``) get separate ops, so
+    a value the attributes reject (a bool) is rejected every time; unhashable values are not cached.
+    """
+    try:
+        return _bound_op(*values)
+    except TypeError:
+        if any(_unhashable(v) for v in values):
+            return PagedAttention(**dict(zip(_ATTRIBUTE_ORDER, values)))
+        raise
+
+
+def _unhashable(v) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return True
+    return False
 
 
 __all__ = ["paged_attention", "PagedAttention", "Problem"]

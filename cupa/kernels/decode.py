@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 import os
 
-from .. import graphs, jit
+from .. import jit
 from ..contract import Problem
 from . import launch, registry, types
-from .prologue import launch_prologue
-from .types import f32, i32, ptr
+from .launch import POINTER
+from .prologue import POINTER_INPUTS, prologue_launcher
+from .types import f32, i32
 
 DECODE_THREADS = 128
 MERGE_THREADS = 128
@@ -92,32 +93,42 @@ class DecodeBackend:
         call = launch.prepare(p, inputs, out, stream)
         if p.token_count == 0:
             return call.finish()
-        cp = call.cupy
+        recipes = p.__dict__.get(_RECIPES)
+        if recipes is None:
+            recipes = launch.problem_memo(p, _RECIPES)
+        r = recipes.get(call.device_id)
         with call:
-            q_ws = cp.empty((p.token_count, p.num_heads, p.head_size), dtype=call.dev["query"].dtype)
-            graphs.keep_alive(q_ws)  # workspaces live as long as a graph that captured them
-            launch_prologue(p, call.dev, q_ws)
-            self._attend(p, call, q_ws)
+            if r is None:
+                r = recipes[call.device_id] = self._recipe(p, call)
+            ws = launch.workspace(r.nbytes)  # Q workspace and split partials: one allocation, kept alive
+            base = ws.ptr
+            if r.split:
+                ptrs = call.ptrs + [base, call.output.data.ptr, base + r.part_o, base + r.part_ml]
+            else:
+                ptrs = call.ptrs + [base, call.output.data.ptr, 0, 0]
+            r.launches(ptrs, call.stream.ptr)
         return call.finish()
 
-    def _attend(self, p: Problem, call, q_ws) -> None:
-        cp, dev, a = call.cupy, call.dev, p.attrs
+    def _recipe(self, p: Problem, call) -> "_Recipe":
+        """Everything about the launches of ``p`` on the call's device that does not change per call.
+
+        Built once per (problem object, device), with the device current (kernels are per device).
+        """
+        a = p.attrs
         chunk, num_splits, gt = split_plan(p, call.sm_count)
         head_chunks = math.ceil(p.group_size / gt)
-        out = call.output
+        r = _Recipe()
+        prologue = prologue_launcher(p)
+        q_bytes = p.token_count * p.num_heads * p.head_size * call.dev["query"].dtype.itemsize
+        r.nbytes = launch.align(q_bytes)
+        r.part_o = r.part_ml = 0
         if num_splits > 1:
             rows = p.token_count * p.num_heads * num_splits
-            part_o = cp.empty((rows, p.head_size), dtype=cp.float32)
-            part_ml = cp.empty((rows, 2), dtype=cp.float32)
-            graphs.keep_alive(part_o, part_ml)
-        else:
-            part_o = part_ml = None
-        common_args = (
-            q_ws, dev["key_cache"], dev["value_cache"], dev["cumulative_sequence_length"],
-            dev["past_seqlens"], dev["block_table"], ptr(dev["query_positions"]), ptr(dev["head_sink"]),
-            ptr(dev["k_scale"]), ptr(dev["v_scale"]), out, ptr(part_o), ptr(part_ml),
-            i32(p.num_heads), i32(p.kv_num_heads))
-        tail_args = (
+            r.part_o = r.nbytes
+            r.part_ml = r.part_o + launch.align(rows * p.head_size * 4)      # float part_o[rows][D]
+            r.nbytes = r.part_ml + launch.align(rows * 2 * 4)                # float2 part_ml[rows]
+        common = (POINTER,) * len(_DECODE_POINTERS) + (i32(p.num_heads), i32(p.kv_num_heads))
+        tail = (
             i32(p.batch_size), i32(p.num_blocks), i32(p.block_size), i32(p.max_blocks_per_seq), i32(chunk),
             i32(num_splits), i32(p.rotary_max_pos if p.rotary_dim else 0), f32(p.scale), f32(a.softcap),
             i32(a.local_window_size), i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]),
@@ -127,21 +138,46 @@ class DecodeBackend:
             kernel = jit.get_kernel(registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size))
             shared = mma_shared_bytes(p)
             launch.ensure_shared_memory(kernel, shared)
-            kernel(grid, (DECODE_THREADS,), common_args + tail_args, shared_mem=shared)
+            decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + tail, shared_mem=shared)
         else:
             kernel = jit.get_kernel(registry.decode_spec(p.dtype, p.cache_kind, gt))
-            kernel(grid, (DECODE_THREADS,), common_args + (i32(p.head_size),) + tail_args)
-        if num_splits > 1:
-            merge = jit.get_kernel(registry.merge_spec(p.dtype))
-            merge(
-                (p.token_count, p.num_heads), (MERGE_THREADS,),
-                (part_o, part_ml, ptr(dev["head_sink"]), ptr(dev["v_scale"]), out,
-                 dev["cumulative_sequence_length"], dev["past_seqlens"], ptr(dev["query_positions"]),
-                 i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.batch_size),
-                 i32(p.max_blocks_per_seq), i32(p.block_size), i32(p.rotary_max_pos if p.rotary_dim else 0),
-                 i32(a.is_causal), i32(a.local_window_size), i32(chunk), i32(num_splits),
-                 i32(types.QUANT_CODE[p.v_quant])),
-            )
+            decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + (i32(p.head_size),) + tail)
+        steps = [(prologue, _PROLOGUE_POINTERS), (decode, _DECODE_POINTERS)]
+        r.split = num_splits > 1
+        if r.split:
+            merge = launch.Launcher(
+                jit.get_kernel(registry.merge_spec(p.dtype)), (p.token_count, p.num_heads), (MERGE_THREADS,),
+                (POINTER,) * len(_MERGE_POINTERS) + (
+                    i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.batch_size),
+                    i32(p.max_blocks_per_seq), i32(p.block_size), i32(p.rotary_max_pos if p.rotary_dim else 0),
+                    i32(a.is_causal), i32(a.local_window_size), i32(chunk), i32(num_splits),
+                    i32(types.QUANT_CODE[p.v_quant])))
+            steps.append((merge, _MERGE_POINTERS))
+        r.launches = launch.Sequence(steps, _NPOINTERS)
+        return r
+
+
+class _Recipe:
+    """The launches of one problem on one device (prologue, decode, and merge when ``split``) and the
+    workspace layout: ``nbytes`` in all, Q first, split partials at byte offsets ``part_o``, ``part_ml``."""
+
+    __slots__ = ("launches", "split", "nbytes", "part_o", "part_ml")
+
+
+# Pointer arguments, as positions in Call.ptrs extended by [q workspace, output, part_o, part_ml].
+_Q_WS, _OUT, _PART_O, _PART_ML = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 4)
+_NPOINTERS = len(launch.PTR_INDEX) + 4
+_I = launch.PTR_INDEX
+_PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS,)
+# paged_decode / paged_decode_mma: q, key_cache, value_cache, cum, past, block_table, query_positions,
+# head_sink, k_scale, v_scale, out, part_o, part_ml
+_DECODE_POINTERS = (_Q_WS, _I["key_cache"], _I["value_cache"], _I["cumulative_sequence_length"],
+                    _I["past_seqlens"], _I["block_table"], _I["query_positions"], _I["head_sink"], _I["k_scale"],
+                    _I["v_scale"], _OUT, _PART_O, _PART_ML)
+# paged_decode_merge: part_o, part_ml, head_sink, v_scale, out, cum, past, query_positions
+_MERGE_POINTERS = (_PART_O, _PART_ML, _I["head_sink"], _I["v_scale"], _OUT, _I["cumulative_sequence_length"],
+                   _I["past_seqlens"], _I["query_positions"])
+_RECIPES = "_cupa_decode_recipes"
 
 
 BACKEND = DecodeBackend()

@@ -1,108 +1,432 @@
-"""What every CUDA backend does around its kernels: device inputs, stream, output, return value."""
+"""What every CUDA backend does around its kernels: device inputs, stream, output, workspaces, launches.
+
+Host time per call is most of the cost of a small decode step, so the steady state is kept short:
+
+- :class:`Call` takes the all-CuPy case without the general machinery of :mod:`cupa.arrays`, reads every
+  input's device pointer once (``Call.ptrs``), and enters the device or the stream only when they are
+  not already current.
+- :class:`Launcher` is one kernel launch built once per (problem, device): the kernel, grid, block,
+  shared memory and the scalar arguments (NumPy ``int32``/``float32``). A :class:`Sequence` of them
+  (prologue, decode, merge) writes the scalars once into a per-thread buffer of 8-byte slots; a call
+  writes only the pointers (one ``struct.pack_into``) and launches each kernel with
+  ``cuLaunchKernel``, whose ``kernelParams`` is an array of pointers to each parameter's bytes (8 for
+  a pointer, 4 for an ``int``/``float``): no C struct layout is involved. The driver copies the
+  parameters before ``cuLaunchKernel`` returns (a graph capture copies them into the kernel node),
+  so the buffer is reused by the next call; each thread has its own.
+- :func:`workspace` makes one allocation for all of a call's workspaces.
+
+``CUPA_LAUNCH=rawkernel`` (or :func:`set_mode`) launches through ``cupy.RawKernel.__call__`` instead,
+with the same argument values: the reference route for A/B comparisons.
+"""
 
 from __future__ import annotations
 
 import functools
+import operator
+import os
+import struct
+import threading
+import warnings
+
+import numpy as np
 
 from .. import arrays, graphs
 from ..contract import INPUT_NAMES, Problem
 from ..errors import fail
 
 _TENSORS = tuple(n for n in INPUT_NAMES if n != "attention_metadata")
+#: index of each tensor input in :attr:`Call.ptrs`
+PTR_INDEX = {name: i for i, name in enumerate(_TENSORS)}
 # Inputs read with 16-byte vector loads (SPEC: head_size % 8 == 0 keeps rows aligned).
 _VECTOR_READ = ("query", "key", "value", "key_cache", "value_cache")
+_VECTOR_READ_INDEX = tuple(PTR_INDEX[n] for n in _VECTOR_READ)
+if _VECTOR_READ_INDEX != (0, 1, 2, 3, 4):  # Call checks ptrs[0..4] with one expression
+    raise ImportError("cupa.kernels.launch: the vector-read inputs must be the first five inputs")
+_GET_TENSORS = operator.itemgetter(*_TENSORS)
+
+# -- launch route ------------------------------------------------------------------------------------
+
+LAUNCH_MODES = ("fast", "rawkernel")
+
+
+def _mode_from_env(value) -> str:
+    if value is None or value == "":
+        return "fast"
+    if value not in LAUNCH_MODES:
+        warnings.warn(f"CUPA_LAUNCH={value!r} is not one of {LAUNCH_MODES}; using 'fast'", RuntimeWarning,
+                      stacklevel=2)
+        return "fast"
+    return value
+
+
+#: "fast" (cuLaunchKernel with a prebuilt parameter array) or "rawkernel" (cupy.RawKernel.__call__)
+MODE = _mode_from_env(os.environ.get("CUPA_LAUNCH"))
+_FAST = MODE == "fast"
+
+
+def set_mode(mode: str) -> None:
+    """Select the launch route for later calls (tests and benchmarks; the default comes from CUPA_LAUNCH)."""
+    global MODE, _FAST
+    if mode not in LAUNCH_MODES:
+        raise ValueError(f"launch mode: got {mode!r}; expected one of {LAUNCH_MODES}")
+    MODE, _FAST = mode, mode == "fast"
+
+
+_cupy = None
+
+
+def _cp():
+    global _cupy
+    if _cupy is None:
+        import cupy
+
+        _cupy = cupy
+    return _cupy
+
+
+def _reset_module_cache() -> None:
+    """Forget the imported CuPy module (tests swap in a fake one)."""
+    global _cupy
+    _cupy = None
 
 
 @functools.lru_cache(maxsize=None)
 def sm_count(device_id: int) -> int:
-    import cupy
-
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+    return _cp().cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
 def sm_count_hint() -> int:
     """SM count of the current device (for explain()); 132 (H200) when none is usable."""
     try:
-        import cupy
-
-        return sm_count(cupy.cuda.Device().id)
+        return sm_count(_cp().cuda.runtime.getDevice())
     except Exception:
         return 132
 
 
+# -- one call ------------------------------------------------------------------------------------------
+
 class Call:
-    """Device views of one call's inputs, its stream and output."""
+    """Device views of one call's inputs, its stream and output.
+
+    Attributes
+    ----------
+    dev : dict
+        Input name -> CuPy array or None.
+    ptrs : list of int
+        Device pointer of every tensor input in ``INPUT_NAMES`` order (attention_metadata left out;
+        0 for an absent input); :data:`PTR_INDEX` maps names to positions.
+    stream : CuPy stream
+        The stream the call runs on; ``with call:`` makes it (and the call's device) current.
+    output : CuPy array
+        The output (a view of the user's ``out`` when given).
+    """
 
     def __init__(self, problem: Problem, inputs: dict, out, stream):
-        import cupy
-
+        cupy = _cupy or _cp()
         self.cupy = cupy
         self.problem = problem
-        self.query = inputs["query"]
-        self.stream = arrays.resolve_stream(stream, self.query)
+        query = self.query = inputs["query"]
         nd = cupy.ndarray
-        fast = _cupy_inputs(nd, inputs)
+        cuda = cupy.cuda
+        current = cuda.get_current_stream()
+        fast = None
+        if type(query) is nd:
+            self.stream = current if stream is None else arrays.resolve_stream(stream, query)
+            if _has_contiguity_attr(nd):
+                fast = _cupy_inputs(nd, inputs)
+        else:
+            self.stream = arrays.resolve_stream(stream, query)
         if fast is None:  # other libraries, several devices, a violation: the general path (and its errors)
-            fast = arrays.device_arrays({n: inputs[n] for n in _TENSORS}, self.stream)
-        self.dev, self.device_id = fast
-        for name in _VECTOR_READ:
-            a = self.dev.get(name)
-            if a is not None and a.data.ptr % 16:
-                raise fail(name, f"a device pointer at {a.data.ptr:#x}", "16-byte alignment (vector loads)")
-        self.sm_count = sm_count(self.device_id)
-        self.device = cupy.cuda.Device(self.device_id)
+            self._all_cupy = False
+            dev, device_id = arrays.device_arrays({n: inputs[n] for n in _TENSORS}, self.stream)
+            self._dev = dev
+            ptrs = [0 if dev[n] is None else dev[n].data.ptr for n in _TENSORS]
+        else:
+            self._all_cupy = True
+            self._dev = None  # built on first use from inputs (the arrays themselves)
+            self._inputs = inputs
+            device_id, ptrs = fast
+        self.device_id, self.ptrs = device_id, ptrs
+        if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15:
+            for i in _VECTOR_READ_INDEX:
+                if ptrs[i] % 16:
+                    raise fail(_TENSORS[i], f"a device pointer at {ptrs[i]:#x}", "16-byte alignment (vector loads)")
+        self._device = None
+        self._set_device = cuda.runtime.getDevice() != device_id
+        # Another device: its own current stream; enter both. Same device: enter the stream if not current.
+        self._set_stream = self._set_device or self.stream.ptr != current.ptr
         if out is None:
-            with self.stream:
-                self.output = arrays.empty_output(problem.output_shape, problem.dtype, self.query, self.device_id)
+            with self:
+                if self._all_cupy:
+                    self.output = cupy.empty(problem.output_shape, dtype=query.dtype)
+                else:
+                    self.output = arrays.empty_output(problem.output_shape, problem.dtype, query, device_id)
             graphs.keep_alive(self.output)  # a captured graph writes it at every replay
-        elif (type(out) is nd and type(self.query) is nd and out.shape == problem.output_shape
-              and out.dtype == self.dev["query"].dtype and out.data.device_id == self.device_id
-              and out.flags.c_contiguous):
+        elif (self._all_cupy and type(out) is nd and out.shape == problem.output_shape
+              and out.dtype == query.dtype and out.data.device_id == device_id and out._c_contiguous):
             self.output = out  # what arrays.check_out returns for a valid CuPy out with a CuPy query
         else:
-            self.output = arrays.check_out(out, problem.output_shape, problem.dtype, self.query, self.device_id)
+            self.output = arrays.check_out(out, problem.output_shape, problem.dtype, query, device_id)
+
+    @property
+    def dev(self) -> dict:
+        """Input name -> CuPy array or None (attention_metadata left out)."""
+        if self._dev is None:
+            self._dev = {n: self._inputs[n] for n in _TENSORS}
+        return self._dev
+
+    @property
+    def device(self):
+        """The call's ``cupy.cuda.Device``."""
+        if self._device is None:
+            self._device = self.cupy.cuda.Device(self.device_id)
+        return self._device
+
+    @property
+    def sm_count(self) -> int:
+        return sm_count(self.device_id)
 
     def __enter__(self):
-        self.device.__enter__()
-        self.stream.__enter__()
+        if self._set_device:
+            self.device.__enter__()
+        if self._set_stream:
+            self.stream.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.stream.__exit__(*exc)
-        self.device.__exit__(*exc)
+        if self._set_stream:
+            self.stream.__exit__(*exc)
+        if self._set_device:
+            self._device.__exit__(*exc)
 
     def finish(self):
         """The output in the library of ``query`` (the user's ``out`` itself when given)."""
+        if self._all_cupy:
+            return self.output
         return arrays.wrap_output(self.output, like=self.query, stream=self.stream)
 
 
-def _cupy_inputs(nd, inputs: dict):
-    """``(dev, device_id)`` when every present input is a C-contiguous ``cupy.ndarray`` on one device.
+@functools.lru_cache(maxsize=None)
+def _has_contiguity_attr(nd) -> bool:
+    """CuPy's ndarray exposes ``_c_contiguous`` (CuPy 14); without it, the general path checks flags."""
+    return hasattr(nd, "_c_contiguous")
 
-    The common case of :func:`arrays.device_arrays` (which returns the same for such inputs) without
+
+def _cupy_inputs(nd, inputs: dict):
+    """``(device_id, ptrs)`` when every present input is a C-contiguous ``cupy.ndarray`` on one device.
+
+    The common case of :func:`arrays.device_arrays` (which accepts such inputs as they are) without
     its general machinery. Anything else -- another library, a subclass, a second device, a
     non-contiguous array, no input at all -- returns None for the general path, which raises the errors.
     """
-    dev = {}
-    device = None
-    for name in _TENSORS:
-        x = inputs[name]
-        if x is not None:
-            if type(x) is not nd:
+    ptrs = []
+    append = ptrs.append
+    device = -1
+    for x in _GET_TENSORS(inputs):
+        if x is None:
+            append(0)
+            continue
+        if type(x) is not nd or not x._c_contiguous:  # _c_contiguous: flags.c_contiguous without a Flags object
+            return None
+        mem = x.data
+        if mem.device_id != device:
+            if device != -1:
                 return None
-            d = x.data.device_id
-            if device is None:
-                device = d
-            elif d != device:
-                return None
-            if not x.flags.c_contiguous:
-                return None
-        dev[name] = x
-    return None if device is None else (dev, device)
+            device = mem.device_id
+        append(mem.ptr)
+    return None if device == -1 else (device, ptrs)
 
 
 def prepare(problem: Problem, inputs: dict, out, stream) -> Call:
     return Call(problem, inputs, out, stream)
+
+
+# -- workspaces ------------------------------------------------------------------------------------------
+
+WORKSPACE_ALIGN = 256
+
+
+def align(nbytes: int, to: int = WORKSPACE_ALIGN) -> int:
+    return -(-nbytes // to) * to
+
+
+class Workspace:
+    """One device allocation of a call (``ptr``, ``nbytes``); carved into the call's workspaces."""
+
+    __slots__ = ("memptr", "ptr", "nbytes")
+
+    def __init__(self, memptr, nbytes: int):
+        self.memptr, self.ptr, self.nbytes = memptr, memptr.ptr, nbytes
+
+    def __repr__(self) -> str:
+        return f"Workspace(ptr={self.ptr:#x}, nbytes={self.nbytes})"
+
+
+def workspace(nbytes: int) -> Workspace:
+    """``nbytes`` of device memory from CuPy's current allocator, on the current device and stream.
+
+    Run it inside ``with call:`` (CuPy's pool hands a freed block back only on the stream it was
+    allocated on). Registered with :func:`cupa.graphs.keep_alive`, as every allocation of a call.
+    """
+    ws = Workspace(_cp().cuda.alloc(nbytes), nbytes)
+    graphs.keep_alive(ws)
+    return ws
+
+
+# -- launches --------------------------------------------------------------------------------------------
+
+class _Pointer:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "POINTER"
+
+
+#: A pointer argument of a :class:`Launcher`, given at each launch.
+POINTER = _Pointer()
+
+_SCALAR_TYPES = (np.int32, np.uint32, np.float32, np.int64, np.uint64)
+
+
+class Launcher:
+    """One kernel launch with fixed geometry and scalar arguments; pointers are given per launch.
+
+    Parameters
+    ----------
+    kernel : cupy.RawKernel
+        The compiled kernel (from :func:`cupa.jit.get_kernel` on the device the launcher serves).
+    grid, block : tuple of int
+    args : tuple
+        The kernel's parameters in order: :data:`POINTER` where a device pointer goes (given at each
+        launch, in order), else a NumPy ``int32``/``uint32``/``float32`` (4 bytes) or
+        ``int64``/``uint64`` (8 bytes) scalar matching the C parameter type.
+    shared_mem : int
+        Dynamic shared memory in bytes (raise the kernel's limit first above 48 KB).
+    """
+
+    __slots__ = ("kernel", "grid", "block", "shared_mem", "args", "pointer_positions", "_single")
+
+    def __init__(self, kernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0):
+        # CuPy's Function launches max(1, n) along every axis; both routes do the same.
+        grid = tuple(max(1, int(g)) for g in tuple(grid) + (1,) * (3 - len(grid)))
+        block = tuple(max(1, int(b)) for b in tuple(block) + (1,) * (3 - len(block)))
+        for i, a in enumerate(args):
+            if a is not POINTER and type(a) not in _SCALAR_TYPES:
+                raise TypeError(f"Launcher argument {i}: got {type(a).__name__}; expected POINTER or a NumPy "
+                                "int32/uint32/float32/int64/uint64 scalar (its size must match the C parameter)")
+        self.kernel = kernel
+        self.grid, self.block, self.shared_mem = grid, block, int(shared_mem)
+        self.args = tuple(args)
+        self.pointer_positions = tuple(i for i, a in enumerate(args) if a is POINTER)
+        self._single = None
+
+    def __call__(self, pointers, stream_ptr: int) -> None:
+        """Launch with ``pointers`` (ints, one per :data:`POINTER`, 0 for null) on ``stream_ptr``
+        (the rawkernel route launches on CuPy's current stream: make it the same)."""
+        if self._single is None:
+            self._single = Sequence([(self, range(len(self.pointer_positions)))], len(self.pointer_positions))
+        self._single(pointers, stream_ptr)
+
+    def rawkernel_args(self, pointers) -> tuple:
+        """The argument tuple of ``cupy.RawKernel.__call__``: pointers as NumPy ``uint64`` (8 bytes)."""
+        args = list(self.args)
+        for i, p in zip(self.pointer_positions, pointers):
+            args[i] = np.uint64(p)
+        return tuple(args)
+
+
+class Sequence:
+    """Kernels launched back to back on one stream, their pointer arguments drawn from one list.
+
+    Parameters
+    ----------
+    steps : list of (Launcher, indices)
+        ``indices[j]``: the position in the pointer list of the launcher's j-th :data:`POINTER`.
+    npointers : int
+        Length of the pointer list given at each launch.
+
+    The fast route keeps, per thread, one buffer of 8-byte slots: the pointer list first (written at
+    each launch with one ``struct.pack_into``), then every launcher's scalars (written once); each
+    launcher's ``kernelParams`` table points at its parameters' slots (a pointer used by several
+    kernels is one slot).
+    """
+
+    __slots__ = ("steps", "npointers", "_pack", "_tls")
+
+    def __init__(self, steps, npointers: int):
+        self.steps = [(launcher, tuple(int(i) for i in indices)) for launcher, indices in steps]
+        for launcher, indices in self.steps:
+            if len(indices) != len(launcher.pointer_positions) or any(not 0 <= i < npointers for i in indices):
+                raise ValueError("Sequence: each launcher needs one index in [0, npointers) per POINTER")
+        self.npointers = int(npointers)
+        self._pack = struct.Struct(f"={self.npointers}Q").pack_into
+        self._tls = threading.local()
+
+    def _thread_buffers(self):
+        cp = _cp()
+        # CuPy's RawKernel makes the device's context current on a new thread (a runtime call) before its
+        # first driver launch; do the same where no context is current yet.
+        if cp.cuda.driver.ctxGetCurrent() == 0:
+            cp.cuda.runtime.memGetInfo()
+        nscalars = sum(len(launcher.args) - len(launcher.pointer_positions) for launcher, _ in self.steps)
+        values = np.zeros(max(1, self.npointers + nscalars), dtype=np.uint64)
+        raw = values.view(np.uint8)
+        base = values.ctypes.data
+        slot = self.npointers
+        launches, tables = [], []
+        for launcher, indices in self.steps:
+            table = np.zeros(max(1, len(launcher.args)), dtype=np.uint64)
+            pointer = iter(indices)
+            for i, a in enumerate(launcher.args):
+                if a is POINTER:
+                    table[i] = base + 8 * next(pointer)
+                else:
+                    raw[8 * slot:8 * slot + a.itemsize] = np.frombuffer(a.tobytes(), dtype=np.uint8)
+                    table[i] = base + 8 * slot
+                    slot += 1
+            tables.append(table)
+            fn = functools.partial(cp.cuda.driver.launchKernel, launcher.kernel.kernel.ptr, *launcher.grid,
+                                   *launcher.block, launcher.shared_mem)
+            launches.append((fn, table.ctypes.data))
+        buffers = (values, tuple(launches), tables)  # tables: kept alive with the values
+        self._tls.buffers = buffers
+        return buffers
+
+    def __call__(self, pointers, stream_ptr: int) -> None:
+        """Launch every step in order; ``pointers``: the pointer list (ints, 0 for null)."""
+        if _FAST:
+            try:
+                values, launches, _ = self._tls.buffers
+            except AttributeError:
+                values, launches, _ = self._thread_buffers()
+            self._pack(values, 0, *pointers)
+            for fn, table in launches:
+                fn(stream_ptr, table, 0)
+        else:
+            for launcher, indices in self.steps:
+                launcher.kernel(launcher.grid, launcher.block,
+                                launcher.rawkernel_args([pointers[i] for i in indices]),
+                                shared_mem=launcher.shared_mem)
+
+
+class _ProblemMemo(dict):
+    """Per-problem launch state; never copied into a pickle (it holds device handles)."""
+
+    def __reduce__(self):
+        return (_ProblemMemo, ())
+
+
+def problem_memo(problem: Problem, name: str) -> dict:
+    """A dict stored on ``problem`` itself (``name``: one per backend), for state built once per problem.
+
+    On the object rather than keyed by value: an equal Problem of another op builds its own (so a
+    kernel that is not compiled yet is still compiled, or refused inside a capture, where it is needed).
+    """
+    memo = problem.__dict__.get(name)
+    if memo is None:
+        memo = _ProblemMemo()
+        object.__setattr__(problem, name, memo)
+    return memo
 
 
 _SHARED_CONFIGURED: dict = {}

@@ -4,31 +4,46 @@ from __future__ import annotations
 
 from .. import jit
 from ..contract import Problem
-from . import registry, types
-from .types import f32, i32, ptr
+from . import launch, registry, types
+from .launch import POINTER
+from .types import f32, i32
 
 PROLOGUE_THREADS = 128
+
+#: The prologue's pointer parameters, in order: input names, then the Q workspace it writes.
+POINTER_INPUTS = ("query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length",
+                  "past_seqlens", "block_table", "cos_cache", "sin_cache", "slot_mapping", "q_norm_weight",
+                  "k_norm_weight", "k_scale", "v_scale", "query_positions")
+
+
+def prologue_launcher(problem: Problem) -> launch.Launcher:
+    """The prologue launch of ``problem`` on the current device: pointers are :data:`POINTER_INPUTS`
+    (0 for an absent input) followed by the Q workspace (N, H, D) of T."""
+    p, a = problem, problem.attrs
+    kernel = jit.get_kernel(registry.prologue_spec(p.dtype, p.cache_kind))
+    shared = (PROLOGUE_THREADS // 32) * p.head_size * 4
+    rows = p.num_heads + p.kv_num_heads * (1 if p.latent else 2)
+    args = (POINTER,) * (len(POINTER_INPUTS) + 1) + (
+        i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.batch_size), i32(p.num_blocks),
+        i32(p.block_size), i32(p.max_blocks_per_seq), i32(p.packed_qkv), i32(not p.latent),
+        i32(p.rotary_dim), i32(p.rotary_max_pos), i32(a.rotary_offset), i32(a.rotary_interleaved),
+        f32(a.qk_norm_epsilon), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant]))
+    return launch.Launcher(kernel, (p.token_count, -(-rows // (PROLOGUE_THREADS // 32))), (PROLOGUE_THREADS,),
+                           args, shared_mem=shared)
 
 
 def launch_prologue(problem: Problem, dev: dict, q_workspace) -> None:
     """Split/normalize/rotate the new tokens, write Q to ``q_workspace`` (N, H, D) and K/V to the caches.
 
-    Runs on CuPy's current stream; ``dev`` maps input names to CuPy arrays or None.
+    Runs on CuPy's current stream; ``dev`` maps input names to CuPy arrays or None; ``q_workspace`` is
+    a CuPy array or a device pointer (int). The launcher is built once per (problem, device).
     """
-    p, a = problem, problem.attrs
-    kernel = jit.get_kernel(registry.prologue_spec(p.dtype, p.cache_kind))
-    shared = (PROLOGUE_THREADS // 32) * p.head_size * 4
-    rows = p.num_heads + p.kv_num_heads * (1 if p.latent else 2)
-    kernel(
-        (p.token_count, -(-rows // (PROLOGUE_THREADS // 32))), (PROLOGUE_THREADS,),
-        (dev["query"], ptr(dev["key"]), ptr(dev["value"]), dev["key_cache"], ptr(dev["value_cache"]),
-         dev["cumulative_sequence_length"], dev["past_seqlens"], dev["block_table"],
-         ptr(dev["cos_cache"]), ptr(dev["sin_cache"]), ptr(dev["slot_mapping"]),
-         ptr(dev["q_norm_weight"]), ptr(dev["k_norm_weight"]), ptr(dev["k_scale"]), ptr(dev["v_scale"]),
-         ptr(dev["query_positions"]), q_workspace,
-         i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.batch_size), i32(p.num_blocks),
-         i32(p.block_size), i32(p.max_blocks_per_seq), i32(p.packed_qkv), i32(not p.latent),
-         i32(p.rotary_dim), i32(p.rotary_max_pos), i32(a.rotary_offset), i32(a.rotary_interleaved),
-         f32(a.qk_norm_epsilon), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant])),
-        shared_mem=shared,
-    )
+    cp = launch._cp()
+    device = cp.cuda.runtime.getDevice()
+    memo = launch.problem_memo(problem, "_cupa_prologue")
+    launcher = memo.get(device)
+    if launcher is None:
+        launcher = memo[device] = prologue_launcher(problem)
+    ptrs = [0 if dev.get(n) is None else dev[n].data.ptr for n in POINTER_INPUTS]
+    ptrs.append(q_workspace if isinstance(q_workspace, int) else q_workspace.data.ptr)
+    launcher(ptrs, cp.cuda.get_current_stream().ptr)

@@ -1,0 +1,778 @@
+"""The host-side launch path of the CUDA decode backend, without a GPU (a fake CuPy) and on one.
+
+CPU tests run the whole call path (``cupa.PagedAttention(...)(cupy arrays)``) against :class:`FakeCupy`,
+a stand-in for the few CuPy entry points cupa touches. Its kernels know their C signatures (parsed
+from ``cuda_src/*.cu``): every launch, by either route, is decoded into the bytes each parameter
+receives, and a parameter of the wrong size (an ``int64`` where the kernel takes ``int``) fails. The
+fast route (``cuLaunchKernel`` with a prebuilt parameter array) must hand every kernel exactly the
+bytes the ``RawKernel.__call__`` route (``CUPA_LAUNCH=rawkernel``) hands it.
+
+The ``gpu`` tests compare the two routes bit for bit on the device (decode- and prefill-shaped,
+quantized, with and without ``out=``, and under CUDA-graph capture).
+
+``benchmarks/host_overhead_cpu.py`` reuses :class:`FakeCupy` to time the Python side of one call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import math
+import pickle
+import re
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+import cupa
+from cupa import arrays, graphs, jit
+from cupa.kernels import launch
+
+# -- a fake CuPy ---------------------------------------------------------------------------------------
+
+_SIG = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^{]*?)\)\s*\{", re.S)
+
+
+def kernel_signatures() -> dict:
+    """``{kernel name: parameter sizes in bytes}`` parsed from cuda_src/*.cu (None where a type is unknown)."""
+    sigs = {}
+    for path in sorted(jit.SOURCE_DIR.glob("*.cu")):
+        text = re.sub(r"//[^\n]*", "", path.read_text())
+        for m in _SIG.finditer(text):
+            sizes = []
+            for param in m.group(2).split(","):
+                param = " ".join(param.split())
+                if "*" in param:
+                    sizes.append(8)
+                elif re.match(r"(const )?(long long|int64_t|uint64_t|size_t|double|unsigned long long)\b", param):
+                    sizes.append(8)
+                elif re.match(r"(const )?(int|unsigned|uint32_t|int32_t|float)\b", param):
+                    sizes.append(4)
+                else:
+                    sizes = None
+                    break
+            sigs[m.group(1)] = None if sizes is None else tuple(sizes)
+    return sigs
+
+
+class _MemoryPointer:
+    __slots__ = ("ptr", "device_id", "size")
+
+    def __init__(self, ptr, device_id, size):
+        self.ptr, self.device_id, self.size = ptr, device_id, size
+
+
+class _Flags:
+    c_contiguous = True
+
+
+class FakeCupy:
+    """Enough of CuPy for cupa's CUDA call path; launches are recorded as the bytes each parameter gets.
+
+    ``launches``: ``(route, kernel name, grid, block, shared_mem, stream, tuple of bytes per parameter)``;
+    ``allocations``: byte counts of every device allocation (``empty`` and ``cuda.alloc``).
+    Set ``record = False`` to time the Python side without the decoding.
+    """
+
+    def __init__(self, device_count: int = 1, sm_count: int = 132, real_arrays: bool = False):
+        fake = self
+        self.sigs = kernel_signatures()
+        self.launches, self.allocations = [], []
+        self.record = True
+        self.switch_in_launch = False
+        self.compiled = []
+        self._next = itertools.count(1)
+        self._heap = [0x7F00_0000_0000]
+        self._functions = {}
+        self._tls = threading.local()
+        self.mem_get_info_calls = 0
+
+        class ndarray:
+            __module__ = "cupy._core.core"
+
+            def __init__(self, shape, dtype=np.float32, memptr=None):
+                self.shape = tuple(int(d) for d in shape)
+                self.dtype = np.dtype(dtype)
+                self.size = int(np.prod(self.shape, dtype=np.int64))
+                self.nbytes = self.size * self.dtype.itemsize
+                self.ndim = len(self.shape)
+                self.flags = _Flags
+                self._c_contiguous = True
+                self.data = memptr if memptr is not None else fake._malloc(self.nbytes)
+
+        self.ndarray = ndarray
+        self._real = None
+        if real_arrays:  # real cupy.ndarray objects over fake addresses: CuPy's own attribute costs
+            import cupy as real
+
+            self.ndarray, self._real = real.ndarray, real
+        self.float32, self.float16, self.int32, self.uint8 = np.float32, np.float16, np.int32, np.uint8
+
+        class _BaseStream:
+            def __init__(self, ptr):
+                self.ptr = ptr
+
+            def __enter__(self):
+                fake._stack().append(self)
+                return self
+
+            def __exit__(self, *exc):
+                fake._stack().pop()
+
+            def is_capturing(self):
+                return False
+
+        class Stream(_BaseStream):
+            def __init__(self, non_blocking=False):
+                super().__init__(0x5000 + next(fake._next))
+
+        Stream.null = _BaseStream(0)
+        self._null = Stream.null
+
+        class Device:
+            def __init__(self, device=None):
+                self.id = fake._device() if device is None else int(device)
+                self.attributes = {"MultiProcessorCount": sm_count}
+
+            def __enter__(self):
+                self._prev = fake._device()
+                fake._tls.device = self.id
+                return self
+
+            def __exit__(self, *exc):
+                fake._tls.device = self._prev
+
+        class Function:
+            def __init__(self, ptr):
+                self.ptr = ptr
+
+        class RawKernel:
+            def __init__(self, name):
+                self.name = name
+                self.kernel = Function(0xF000 + next(fake._next))
+                fake._functions[self.kernel.ptr] = name
+                self.max_dynamic_shared_size_bytes = 0
+
+            def __call__(self, grid, block, args, shared_mem=0):
+                if not fake.record:
+                    fake.launches.append(None)
+                    return
+                fake._record("rawkernel", self.name, grid, block, shared_mem, fake.get_current_stream().ptr,
+                             [fake._arg_bytes(a) for a in args])
+
+        class RawModule:
+            def __init__(self, code=None, options=(), name_expressions=()):
+                fake.compiled.append(tuple(name_expressions))
+
+            def get_function(self, name_expression):
+                return RawKernel(name_expression.split("<")[0])
+
+        class CompileException(Exception):
+            pass
+
+        def launch_kernel(f, gx, gy, gz, bx, by, bz, shared, stream, kernel_params, extra):
+            assert extra == 0 and kernel_params != 0
+            if fake.switch_in_launch:
+                time.sleep(0)         # the GIL is released in cuLaunchKernel: let other threads run here
+            name = fake._functions[f]
+            if not fake.record:
+                fake.launches.append(None)
+                return
+            sizes = fake.sigs[name]
+            table = (ctypes.c_uint64 * len(sizes)).from_address(kernel_params)
+            fake._record("fast", name, (gx, gy, gz), (bx, by, bz), shared, stream,
+                         [ctypes.string_at(table[i], n) for i, n in enumerate(sizes)])
+
+        def mem_get_info():
+            fake.mem_get_info_calls += 1
+            return (1 << 30, 1 << 31)
+
+        self.RawModule = RawModule
+        runtime = types.SimpleNamespace(getDevice=self._device, getDeviceCount=lambda: device_count,
+                                        memGetInfo=mem_get_info)
+        driver = types.SimpleNamespace(launchKernel=launch_kernel, ctxGetCurrent=lambda: 0xC0)
+        self.cuda = types.SimpleNamespace(
+            Device=Device, Stream=Stream, runtime=runtime, driver=driver,
+            stream=types.SimpleNamespace(_BaseStream=_BaseStream),
+            get_current_stream=self.get_current_stream, alloc=self._alloc,
+            compiler=types.SimpleNamespace(CompileException=CompileException),
+            is_available=lambda: True)
+
+    # -- state ----------------------------------------------------------------------------------------
+    def _device(self):
+        return getattr(self._tls, "device", 0)
+
+    def _stack(self):
+        s = getattr(self._tls, "streams", None)
+        if s is None:
+            s = self._tls.streams = []
+        return s
+
+    def get_current_stream(self):
+        s = self._stack()
+        return s[-1] if s else self._null
+
+    def _malloc(self, nbytes):
+        ptr = self._heap[0]
+        self._heap[0] += max(512, -(-nbytes // 512) * 512)
+        self.allocations.append(nbytes)
+        return _MemoryPointer(ptr, self._device(), nbytes)
+
+    def _alloc(self, nbytes):
+        mp = self._malloc(nbytes)
+        if self._real is None:
+            return mp
+        mem = self._real.cuda.memory.UnownedMemory(mp.ptr, max(nbytes, 1), None, mp.device_id)
+        return self._real.cuda.MemoryPointer(mem, 0)
+
+    def empty(self, shape, dtype=np.float32):
+        if isinstance(shape, int):
+            shape = (shape,)
+        if self._real is None:
+            return self.ndarray(shape, dtype)
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        return self._real.ndarray(shape, dtype, memptr=self._alloc(nbytes))
+
+    def asarray(self, a):
+        a = np.asarray(a)
+        return self.ndarray(a.shape, a.dtype)
+
+    # -- launches -------------------------------------------------------------------------------------
+    def _arg_bytes(self, a):
+        """What CuPy's RawKernel passes for one argument."""
+        if a is None:
+            return (0).to_bytes(8, "little")
+        if isinstance(a, self.ndarray):
+            return a.data.ptr.to_bytes(8, "little")
+        if isinstance(a, bool):
+            raise TypeError("a Python bool kernel argument")
+        if isinstance(a, int):
+            return np.int64(a).tobytes()           # CuPy: a Python int is a long long
+        if isinstance(a, float):
+            return np.float64(a).tobytes()
+        if isinstance(a, np.generic):
+            return a.tobytes()
+        raise TypeError(f"unsupported kernel argument {type(a)}")
+
+    def _record(self, route, name, grid, block, shared, stream, params):
+        if not self.record:
+            self.launches.append(None)
+            return
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        sizes = self.sigs[name]
+        got = tuple(len(p) for p in params)
+        if got != sizes:
+            raise AssertionError(f"{route} launch of {name}: parameter sizes {got}, the kernel takes {sizes}")
+        self.launches.append((route, name, grid, block, int(shared), int(stream), tuple(params)))
+
+
+@contextlib.contextmanager
+def fake_cupy(fake: FakeCupy | None = None, mode: str = "fast"):
+    """Install ``fake`` as ``cupy`` for cupa (module caches included) and select the launch route."""
+    fake = fake or FakeCupy()
+    saved_module = sys.modules.get("cupy")
+    saved = (arrays._cupy, jit._cupy, dict(jit._modules), getattr(launch, "MODE", None),
+             dict(launch._SHARED_CONFIGURED), dict(arrays._STREAMS))
+    reset = getattr(launch, "_reset_module_cache", lambda: None)   # (absent before the fast route)
+    sys.modules["cupy"] = fake
+    arrays._cupy = jit._cupy = None
+    jit._modules.clear()
+    launch._SHARED_CONFIGURED.clear()
+    if hasattr(launch, "set_mode"):
+        launch.set_mode(mode)
+    launch.sm_count.cache_clear()
+    reset()
+    try:
+        yield fake
+    finally:
+        if saved_module is None:
+            sys.modules.pop("cupy", None)
+        else:
+            sys.modules["cupy"] = saved_module
+        arrays._cupy, jit._cupy = saved[0], saved[1]
+        jit._modules.clear()
+        jit._modules.update(saved[2])
+        if saved[3] is not None:
+            launch.set_mode(saved[3])
+        launch._SHARED_CONFIGURED.clear()
+        launch._SHARED_CONFIGURED.update(saved[4])
+        arrays._STREAMS.clear()
+        arrays._STREAMS.update(saved[5])
+        launch.sm_count.cache_clear()
+        reset()
+
+
+def fake_case(fake: FakeCupy, *, B=1, L=16, H=32, Hk=8, D=128, bs=16, N=None, dtype=np.float16, cache=None,
+              quant=None, rotary=False, sink=False, qk_norm=False, slot_mapping=False, positions=False,
+              packed=False):
+    """Fake device inputs (shapes and dtypes only) and attributes of one problem."""
+    N = B if N is None else N
+    mb = -(-L // bs) * 2
+    nb = B * mb
+    e = fake.empty
+    x = {"query": e((N, (H + 2 * Hk) * D if packed else H * D), dtype)}
+    if not packed:
+        x["key"], x["value"] = e((N, Hk * D), dtype), e((N, Hk * D), dtype)
+    cdt = dtype if cache is None else {"int8": np.int8, "fp8": np.uint8}[cache]
+    x["key_cache"], x["value_cache"] = e((nb, bs, Hk, D), cdt), e((nb, bs, Hk, D), cdt)
+    x["cumulative_sequence_length"] = e((B + 1,), np.int32)
+    x["past_seqlens"] = e((B,), np.int32)
+    x["block_table"] = e((B, mb), np.int32)
+    attrs = dict(num_heads=H, kv_num_heads=Hk)
+    if cache is not None:
+        q = quant or "PER_CHANNEL"
+        shape = (1,) if q == "PER_TENSOR" else (Hk, 1, D)
+        x["k_scale"], x["v_scale"] = e(shape, np.float32), e(shape, np.float32)
+        attrs.update(k_quant_type=q, v_quant_type=q)
+        if cache == "fp8":
+            attrs.update(k_cache_dtype="float8e4m3fn", v_cache_dtype="float8e4m3fn")
+    if rotary:
+        x["cos_cache"], x["sin_cache"] = e((L + N + 8, D // 2), dtype), e((L + N + 8, D // 2), dtype)
+        attrs.update(do_rotary=1)
+    if sink:
+        x["head_sink"] = e((H,), dtype)
+    if qk_norm:
+        x["q_norm_weight"], x["k_norm_weight"] = e((D,), dtype), e((D,), dtype)
+    if slot_mapping:
+        x["slot_mapping"] = e((N,), np.int32)
+    if positions:
+        x["query_positions"] = e((N,), np.int32)
+    return x, attrs
+
+
+CASES = {
+    "decode_gqa_fp16": dict(B=1, L=16),
+    "decode_b8_long_split": dict(B=8, L=4096),
+    "decode_fp32_cuda_cores": dict(B=3, L=700, D=64, dtype=np.float32, H=8, Hk=2),
+    "int8_per_tensor": dict(B=2, L=3000, cache="int8", quant="PER_TENSOR"),
+    "fp8_per_channel_features": dict(B=2, L=900, cache="fp8", rotary=True, sink=True, qk_norm=True,
+                                     slot_mapping=True, positions=True),
+    "prefill_shaped_packed": dict(B=2, N=40, L=512, packed=True, H=8, Hk=8, D=64, rotary=True),
+    "bf16_mha_d256": dict(B=2, L=300, D=256, H=4, Hk=4, dtype="bfloat16"),
+}
+
+
+def _np_dtype(d):
+    if d == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return d
+
+
+def _run(fake, case, *, out=False, md=None, calls=1, backend=None):
+    """Run ``case`` ``calls`` times through a bound op (or straight through ``backend.run``)."""
+    kw = dict(CASES[case])
+    kw["dtype"] = _np_dtype(kw.get("dtype", np.float16))
+    x, attrs = fake_case(fake, **kw)
+    op = cupa.PagedAttention(**attrs)
+    o = fake.empty(x["query"].shape[:1] + (attrs["num_heads"] * x["key_cache"].shape[-1],), x["query"].dtype) \
+        if out else None
+    results = []
+    for _ in range(calls):
+        if backend is None:
+            results.append(op(**x, attention_metadata=md, out=o))
+        else:
+            problem, _, inputs = op.plan(**x, attention_metadata=md)
+            results.append(backend.run(problem, inputs, out=o))
+    return x, o, results
+
+
+_OURS = ("paged_prologue", "paged_decode", "paged_decode_mma", "paged_decode_merge")
+
+
+# -- CPU tests ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("out", [False, True])
+@pytest.mark.parametrize("via", ["op", "decode_backend"])
+@pytest.mark.parametrize("real_arrays", [False, True])
+def test_fast_route_passes_the_bytes_rawkernel_passes(case, out, via, real_arrays):
+    """Same kernels, grids, blocks, shared memory, stream and parameter bytes on both routes."""
+    from cupa.kernels.decode import BACKEND
+
+    if real_arrays:
+        pytest.importorskip("cupy")
+    seen = {}
+    for mode in ("rawkernel", "fast"):
+        fake = FakeCupy(real_arrays=real_arrays)
+        with fake_cupy(fake, mode):
+            fake._heap[0] = 0x7F00_0000_0000          # same addresses in both runs
+            _run(fake, case, out=out, md=[1, 0] if case.startswith("decode_b8") else None, calls=2,
+                 backend=BACKEND if via == "decode_backend" else None)
+        ours = [launch_ for launch_ in fake.launches if launch_[1] in _OURS]
+        assert ours and all(launch_[0] == mode for launch_ in ours)
+        seen[mode] = ([launch_[1:] for launch_ in fake.launches], fake.allocations)
+    assert seen["fast"] == seen["rawkernel"]
+
+
+def test_one_workspace_allocation_per_call_and_kernels_per_call():
+    fake = FakeCupy()
+    with fake_cupy(fake):
+        x, o, _ = _run(fake, "decode_b8_long_split", out=True)
+        fake.launches.clear(), fake.allocations.clear()
+        op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
+        op(**x, out=o)
+        names = [launch_[1] for launch_ in fake.launches]
+        assert names == ["paged_prologue", "paged_decode_mma", "paged_decode_merge"]
+        assert len(fake.allocations) == 1, "q workspace and split partials come from one allocation"
+        fake.launches.clear(), fake.allocations.clear()
+        op(**x)                                          # no out=: the output is a second allocation
+        assert len(fake.allocations) == 2
+
+
+def test_workspace_carving_is_aligned_and_disjoint():
+    fake = FakeCupy()
+    with fake_cupy(fake):
+        _run(fake, "decode_b8_long_split", out=True)
+        pro, dec, merge = fake.launches
+        q_ws = int.from_bytes(pro[-1][16], "little")
+        assert int.from_bytes(dec[-1][0], "little") == q_ws
+        part_o, part_ml = (int.from_bytes(dec[-1][i], "little") for i in (11, 12))
+        assert int.from_bytes(merge[-1][0], "little") == part_o
+        assert int.from_bytes(merge[-1][1], "little") == part_ml
+        assert q_ws % 256 == part_o % 256 == part_ml % 256 == 0
+        N, H, D = 8, 32, 128
+        splits = dec[2][2]
+        assert splits > 1
+        assert part_o >= q_ws + N * H * D * 2 and part_ml >= part_o + N * H * splits * D * 4
+        assert fake.allocations[-1] >= part_ml - q_ws + N * H * splits * 8
+
+
+def test_workspaces_are_kept_alive_inside_a_capture_scope():
+    fake = FakeCupy()
+    with fake_cupy(fake):
+        x, o, _ = _run(fake, "decode_b8_long_split", out=False)   # warm (recipe built)
+        op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
+        scope = graphs.CaptureScope()
+        graphs._local.scope, before = scope, graphs._active
+        graphs._active += 1
+        try:
+            result = op(**x)
+        finally:
+            graphs._local.scope = None
+            graphs._active = before
+        assert any(k is result for k in scope.kept)
+        ws = [k for k in scope.kept if k is not result]
+        assert len(ws) == 1 and ws[0].nbytes == fake.allocations[-1]
+
+
+def test_recipe_is_built_once_per_problem_and_device():
+    fake = FakeCupy(device_count=2)
+    with fake_cupy(fake):
+        x, o, _ = _run(fake, "decode_b8_long_split", out=True, calls=3)
+        assert len(fake.compiled) == 3                  # prologue, decode, merge: once each
+        op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
+        problem = op.plan(**x)[0]
+        op(**x, out=o)
+        recipes = problem.__dict__["_cupa_decode_recipes"]
+        assert list(recipes) == [0]
+        first = recipes[0]
+        op(**x, out=o)
+        assert recipes[0] is first
+        with fake.cuda.Device(1):                      # the same problem on another device: its own recipe
+            x1 = {k: (fake.empty(v.shape, v.dtype) if v is not None else None) for k, v in x.items()}
+            o1 = fake.empty(o.shape, o.dtype)
+        op(**x1, out=o1)
+        assert sorted(recipes) == [0, 1] and recipes[0] is first
+        assert len(fake.compiled) == 6
+        assert pickle.loads(pickle.dumps(problem)) == problem   # the recipes stay out of a pickle
+
+
+def test_threads_get_their_own_parameter_buffers():
+    """Threads launching the same problem concurrently (a thread switch inside every launch) never see
+    each other's pointers."""
+    fake = FakeCupy()
+    with fake_cupy(fake):
+        _run(fake, "decode_b8_long_split", out=True)
+        op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
+        owner, per_thread = {}, []
+        for t in range(4):
+            x, _ = fake_case(fake, B=8, L=4096)
+            o = fake.empty(x["query"].shape, x["query"].dtype)
+            for a in list(x.values()) + [o]:
+                owner[a.data.ptr] = t
+            per_thread.append((x, o))
+        fake.launches.clear()
+        fake.switch_in_launch = True
+        errors = []
+
+        def work(t):
+            x, o = per_thread[t]
+            try:
+                for _ in range(25):
+                    op(**x, out=o)
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert len(fake.launches) == 4 * 25 * 3
+        for launch_ in fake.launches:
+            owners = {owner[v] for v in (int.from_bytes(b, "little") for b in launch_[-1] if len(b) == 8)
+                      if v in owner}
+            assert len(owners) == 1, f"{launch_[1]} got pointers of threads {owners}"
+
+
+def test_stream_argument_routes_the_launches():
+    fake = FakeCupy()
+    with fake_cupy(fake):
+        x, o, _ = _run(fake, "decode_gqa_fp16", out=True)
+        op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
+        s = fake.cuda.Stream(non_blocking=True)
+        fake.launches.clear()
+        op(**x, out=o, stream=s)
+        assert {l[5] for l in fake.launches} == {s.ptr}
+        assert fake.get_current_stream() is fake._null     # the caller's current stream is restored
+        with s:
+            fake.launches.clear()
+            op(**x, out=o)
+        assert {l[5] for l in fake.launches} == {s.ptr}
+
+
+def test_device_is_entered_only_when_not_current():
+    fake = FakeCupy(device_count=2)
+    with fake_cupy(fake):
+        with fake.cuda.Device(1):
+            x, o, _ = _run(fake, "decode_gqa_fp16", out=True)
+        assert fake._device() == 0
+        fake.launches.clear()
+        op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
+        seen = []
+        real = fake.cuda.driver.launchKernel
+
+        def spy(*a):
+            seen.append(fake._device())
+            return real(*a)
+
+        fake.cuda.driver.launchKernel = spy   # bound by the new op's launch sequence
+        op(**x, out=o)                        # inputs on device 1, device 0 current
+        assert seen == [1, 1]                 # prologue and decode ran with device 1 current
+        assert fake._device() == 0
+
+
+def test_fast_input_path_keeps_the_general_errors():
+    """Non-contiguous, misaligned and mismatched inputs still get the general path's errors."""
+    cupy = pytest.importorskip("cupy")
+    fake = FakeCupy(real_arrays=True)
+    with fake_cupy(fake):
+        x, attrs = fake_case(fake, B=2, L=64)
+        op = cupa.PagedAttention(**attrs)
+        kc = x["key_cache"]
+        big = fake.empty((kc.shape[0] * 2,) + kc.shape[1:], kc.dtype)
+        with pytest.raises(cupa.PagedAttentionError, match="key_cache: got a non-contiguous"):
+            op(**{**x, "key_cache": big[::2]})
+        q = x["query"]
+        mem = cupy.cuda.memory.UnownedMemory(q.data.ptr + 8, q.nbytes, None, 0)
+        shifted = cupy.ndarray(q.shape, q.dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        with pytest.raises(cupa.PagedAttentionError, match="query: got a device pointer .* 16-byte alignment"):
+            op(**{**x, "query": shifted})
+        with pytest.raises(cupa.PagedAttentionError, match="out: got shape"):
+            op(**x, out=fake.empty((q.shape[0], 7), q.dtype))
+        with pytest.raises(cupa.PagedAttentionError, match="out: got dtype float32"):
+            op(**x, out=fake.empty(q.shape, np.float32))
+        with pytest.raises(cupa.PagedAttentionError, match="out: got a non-contiguous"):
+            op(**x, out=fake.empty((q.shape[0], 2 * q.shape[1]), q.dtype)[:, ::2])
+        assert op(**x) is not None
+
+
+def test_unknown_launch_mode_warns_and_uses_the_fast_route():
+    with pytest.warns(RuntimeWarning, match="CUPA_LAUNCH"):
+        assert launch._mode_from_env("bogus") == "fast"
+    assert launch._mode_from_env("rawkernel") == "rawkernel"
+    assert launch._mode_from_env(None) == "fast"
+
+
+def test_paged_attention_function_reuses_bound_ops():
+    from cupa import api
+
+    api._bound_op.cache_clear()
+    base = dict(num_heads=4, kv_num_heads=2, scale=0.0, softcap=0.0, local_window_size=-1, is_causal=1,
+                do_rotary=0, rotary_interleaved=0, rotary_offset=0, qk_norm_epsilon=1e-6, k_quant_type="NONE",
+                v_quant_type="NONE", k_cache_dtype="", v_cache_dtype="", kv_cache_layout="SEPARATE",
+                v_head_size=0, qk_output=0)
+
+    def op_for(**changes):
+        return api._op_for(*{**base, **changes}.values())
+
+    a = op_for()
+    assert op_for() is a and a.attributes.num_heads == 4
+    assert op_for(num_heads=8) is not a
+    for _ in range(2):   # True == 1, but a bool is rejected, every time (typed cache)
+        with pytest.raises(cupa.PagedAttentionError, match="is_causal"):
+            op_for(is_causal=True)
+    with pytest.raises(cupa.PagedAttentionError, match="scale"):
+        op_for(scale=[1.0])                             # unhashable: the attribute error, not lru_cache's
+    assert op_for(scale=1) is not op_for(scale=1.0)
+
+
+def test_paged_attention_function_matches_the_bound_op():
+    fake = FakeCupy()
+    with fake_cupy(fake):
+        x, attrs = fake_case(fake, B=2, L=300)
+        op = cupa.PagedAttention(**attrs)
+        fake._heap[0] = 1 << 40
+        op(**x)
+        bound = fake.launches[:]
+        fake.launches.clear()
+        fake._heap[0] = 1 << 40
+        cupa.paged_attention(**x, **attrs)
+        assert fake.launches == bound
+
+
+# -- GPU: the two routes give the same bits -----------------------------------------------------------------
+
+GPU_CASES = {
+    "decode_fp16_mma": dict(B=5, H=8, Hk=2, D=128),
+    "decode_fp32_cuda_cores": dict(B=3, H=8, Hk=2, D=64, dtype="float32"),
+    "decode_bf16_long_splits": dict(B=3, H=16, Hk=2, D=128, dtype="bfloat16", past=[3000, 17, 900]),
+    "decode_int8_per_tensor": dict(B=4, H=8, Hk=2, D=128, cache="int8", k_quant="PER_TENSOR",
+                                   v_quant="PER_CHANNEL", past=[700, 1500, 3, 90]),
+    "decode_fp8_per_channel": dict(B=4, H=8, Hk=2, D=64, cache="fp8", past=[400, 2100, 33, 5]),
+    "decode_features": dict(B=6, H=8, Hk=2, D=64, rotary=True, interleaved=True, qk_norm=True, sink=True,
+                            softcap=30.0, window=37, packed=True, query_positions=True),
+    "prefill_shaped": dict(q_lens=[3, 0, 17, 1, 0, 40], past=[5, 9, 0, 100, 0, 31], H=4, Hk=4, D=64, rotary=True),
+    "prefill_shaped_int8": dict(q_lens=[33, 7], past=[200, 0], H=8, Hk=2, D=128, cache="int8"),
+}
+
+
+@pytest.fixture
+def gpu_cp():
+    return pytest.importorskip("cupy")
+
+
+def _device_run(cp, inputs, attrs, *, mode, out, md=None, backend=None, stream=None):
+    """One call on fresh device copies in ``mode``; returns (output bytes, key/value cache bytes)."""
+    from tests import gpu_cases as gc
+
+    launch.set_mode(mode)
+    dev = gc.to_device(cp, inputs)
+    o = None
+    if out:
+        D = dev["key_cache"].shape[-1]
+        o = cp.full((dev["query"].shape[0], attrs["num_heads"] * D), np.nan, dtype=dev["query"].dtype)
+    op = cupa.PagedAttention(**attrs)
+    if backend is None:
+        got = op(**dev, attention_metadata=md, out=o, stream=stream)
+    else:
+        problem, _, bound = op.plan(**dev, attention_metadata=md)
+        got = backend.run(problem, bound, out=o, stream=stream)
+    if o is not None:
+        assert got is o
+    cp.cuda.Device().synchronize()
+    return tuple(cp.asnumpy(a).view(np.uint8).tobytes() for a in (got, dev["key_cache"], dev["value_cache"]))
+
+
+@pytest.fixture
+def restore_mode():
+    before = launch.MODE
+    yield
+    launch.set_mode(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+@pytest.mark.parametrize("out", [False, True])
+@pytest.mark.parametrize("via", ["op", "decode_backend"])
+def test_gpu_fast_route_is_bit_identical_to_rawkernel(gpu_cp, rng, restore_mode, case, out, via):
+    from cupa.kernels.decode import BACKEND
+    from tests import gpu_cases as gc
+
+    kw = dict(GPU_CASES[case])
+    cache = kw.get("cache", "T")
+    inputs, attrs = gc.build(rng, **kw)
+    md = [1, 4096] if "splits" in case else None
+    backend = BACKEND if via == "decode_backend" else None
+    raw = _device_run(gpu_cp, inputs, attrs, mode="rawkernel", out=out, md=md, backend=backend)
+    fast = _device_run(gpu_cp, inputs, attrs, mode="fast", out=out, md=md, backend=backend)
+    for name, a, b in zip(("output", "key_cache", "value_cache"), raw, fast):
+        assert a == b, f"{case}: {name} differs between CUPA_LAUNCH=rawkernel and the fast route"
+    if via == "op" and out:   # and both are right (the reference, SPEC tolerances)
+        launch.set_mode("fast")
+        gc.check_against_reference(gpu_cp, inputs, attrs, metadata=md, dtype=kw.get("dtype", "float16"), cache=cache)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_route_on_a_side_stream_and_threads(gpu_cp, rng, restore_mode):
+    from tests import gpu_cases as gc
+
+    cp = gpu_cp
+    inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500])
+    s = cp.cuda.Stream(non_blocking=True)
+    raw = _device_run(cp, inputs, attrs, mode="rawkernel", out=True, stream=s)
+    fast = _device_run(cp, inputs, attrs, mode="fast", out=True, stream=s)
+    assert raw == fast
+    results, errors = [], []
+
+    def work():
+        try:
+            results.append(_device_run(cp, inputs, attrs, mode="fast", out=True))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and all(r == raw for r in results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fast", "rawkernel"])
+def test_gpu_fast_route_captures_and_replays(gpu_cp, rng, restore_mode, mode):
+    """Replays of a graph captured on either route give the eager rawkernel bits; the workspace is kept."""
+    from tests import gpu_cases as gc
+
+    cp = gpu_cp
+    inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500])
+    eager = _device_run(cp, inputs, attrs, mode="rawkernel", out=True, md=[1, 4096])
+    launch.set_mode(mode)
+    dev = gc.to_device(cp, inputs)
+    op = cupa.PagedAttention(**attrs)
+    kc0, vc0 = dev["key_cache"].copy(), dev["value_cache"].copy()
+    g = cupa.capture_graph(lambda: op(**dev, attention_metadata=[1, 4096]))
+    assert any(isinstance(k, launch.Workspace) for k in g.kept)
+    with g.stream:
+        for _ in range(2):
+            dev["key_cache"][...] = kc0
+            dev["value_cache"][...] = vc0
+            cp.get_default_memory_pool().free_all_blocks()
+            junk = [cp.full(1 << 20, 7, dtype=cp.uint8) for _ in range(4)]   # churn the caller's pool
+            g.replay()
+            got = tuple(cp.asnumpy(a).view(np.uint8).tobytes()
+                        for a in (g.outputs, dev["key_cache"], dev["value_cache"]))
+            assert got == eager
+            del junk
+    g.close()
+
+
+@pytest.mark.gpu
+def test_gpu_torch_inputs_both_routes(gpu_cp, rng, restore_mode):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    from tests import gpu_cases as gc
+
+    cp = gpu_cp
+    inputs, attrs = gc.build(rng, B=3, H=8, Hk=2, D=128, past=[100, 2000, 7])
+    results = {}
+    for mode in ("rawkernel", "fast"):
+        launch.set_mode(mode)
+        t = {k: (torch.from_dlpack(cp.asarray(v)) if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+        got = cupa.PagedAttention(**attrs)(**t, attention_metadata=[1, 2048])
+        torch.cuda.synchronize()
+        assert isinstance(got, torch.Tensor)
+        results[mode] = (got.view(torch.uint8).cpu().numpy().tobytes(),
+                         t["key_cache"].view(torch.uint8).cpu().numpy().tobytes())
+    assert results["fast"] == results["rawkernel"]
