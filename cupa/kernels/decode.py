@@ -79,7 +79,8 @@ class DecodeBackend:
         return reasons
 
     def preferred(self, problem: Problem) -> bool:
-        # Seed 4.7: decode-shaped calls come here; until a prefill backend exists, all do.
+        # Seed 4.7: token_count <= batch_size comes here (prefill is tried first and declines those);
+        # calls prefill cannot serve (fp32, odd head sizes) come here too: this kernel is exact for any input.
         return True
 
     def describe(self, problem: Problem) -> str:

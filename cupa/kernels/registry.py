@@ -3,6 +3,7 @@
 Every specialization the dispatcher can ask for is listed here, so ``python -m cupa.compile
 --check`` compiles exactly what can run. Head size, GQA group and block size are run-time
 parameters of the decode kernel; T, the cache type and the head chunk are template values.
+The prefill kernel is specialized on T, the cache type and the head size (its tile shape).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ def decode_mma_spec(dtype: str, cache_kind: str, head_size: int) -> Specializati
         "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
 
 
+def prefill_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
+    return Specialization(
+        "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
+
+
 def merge_spec(dtype: str) -> Specialization:
     return Specialization("decode", f"paged_decode_merge<{types.act(dtype)}>")
 
@@ -40,10 +46,17 @@ def all_specializations() -> list:
     for dtype in ("float16", "bfloat16"):
         for kind in types.CACHE_CXX:
             specs.extend(decode_mma_spec(dtype, kind, d) for d in MMA_HEAD_SIZES)
+    from .prefill import PREFILL_DTYPES, PREFILL_HEAD_SIZES
+
+    for dtype in PREFILL_DTYPES:
+        for kind in types.CACHE_CXX:
+            specs.extend(prefill_spec(dtype, kind, d) for d in PREFILL_HEAD_SIZES)
     return specs
 
 
 def backends() -> list:
+    """CUDA backends in priority order: the first that supports and prefers a call runs it."""
     from .decode import BACKEND as decode
+    from .prefill import BACKEND as prefill
 
-    return [decode]
+    return [prefill, decode]

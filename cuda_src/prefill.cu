@@ -1,0 +1,570 @@
+// Paged prefill on tensor cores (fp16/bf16 T; T, int8 or fp8 caches; head_size 64/128/256).
+// One CTA owns a tile of ROWS query rows of ONE sequence b and ONE KV head g. A sequence's rows
+// are its (new token, query head of g's group) pairs in token-major order, row = j*G + gi, so the
+// G heads of a token sit in one tile and each K/V byte is read once per KV head and tile. Each of
+// the WARPS warps owns 16*M_TILES rows (M_TILES mma.sync m16n8k16 tiles that share every K and V
+// fragment read from shared memory) and keeps their online-softmax state in registers; every warp
+// sees every key, so no merge across warps is needed.
+// Keys stream through shared memory in tiles of KEYS (cp.async, NST stages, rows gathered through
+// the block table one by one, row offsets computed one tile ahead, masked rows zero-filled), over
+// the union of the rows' admitted ranges; per-row ranges (key_range of each row's own position:
+// causal, window, kv_len) and block validity are applied per element only on tiles that are not
+// wholly inside every row's range, and a warp skips tiles outside all of its rows' ranges.
+// Quantized tiles land as codes and are widened to T in shared memory; the K scale is folded into
+// Q (PER_CHANNEL) or the score scale (PER_TENSOR), the V scale into the epilogue.
+//
+// Launch (one dimension, no host value read from the device): zero_ctas zero-pass CTAs, then
+// num_tiles * Hk attention CTAs. The row tiles of all sequences are numbered on one axis: sequence
+// b's tiles start at floor(origin(b)*G / ROWS) + b, where origin(b) is the first packed token
+// find_owner gives to b or a later sequence (cum[b] for a well-formed cum). The sequences' token
+// intervals never overlap, for any cum, so neither do their tile ranges, and num_tiles =
+// floor(N*G/ROWS) + B covers them all; a CTA finds its sequence with a warp-wide search and exits
+// at once when its index is a gap. Tiles run heaviest-first (the last rows of a causal sequence
+// see the most keys). The zero-pass CTAs zero the rows of tokens no sequence owns.
+// Host values that size the launch: token_count, batch_size, head counts; none enters a mask.
+#include "common.cuh"
+#include "mma.cuh"
+#include "paged.cuh"
+#include "quant.cuh"
+#include "softmax.cuh"
+
+// Tile shape per head size (mirrored in cupa/kernels/prefill.py): WARPS warps of M_TILES x 16
+// query rows, KEYS keys per shared-memory tile, STAGES cp.async stages, MIN_CTAS CTAs per SM
+// (shared memory and registers sized for it; dynamic shared memory within the 163 KB an sm_80 CTA
+// may use). Q_IN_REGS: Q fragments stay in registers for the whole key loop; otherwise they are
+// reloaded from shared memory at each step, leaving the registers to the fp32 accumulators.
+template <int D> struct PrefillConfig;
+template <> struct PrefillConfig<64> {
+  static constexpr int WARPS = 4, M_TILES = 2, KEYS = 64, STAGES = 3, MIN_CTAS = 2;
+  static constexpr bool Q_IN_REGS = true;
+};
+template <> struct PrefillConfig<128> {
+  static constexpr int WARPS = 4, M_TILES = 2, KEYS = 32, STAGES = 3, MIN_CTAS = 2;
+  static constexpr bool Q_IN_REGS = false;
+};
+template <> struct PrefillConfig<256> {
+  static constexpr int WARPS = 8, M_TILES = 1, KEYS = 32, STAGES = 2, MIN_CTAS = 1;
+  static constexpr bool Q_IN_REGS = false;
+};
+
+constexpr int RANGE_NONE_LO = 0x7fffffff;  // neutral elements of min/max over empty key ranges
+constexpr int RANGE_NONE_HI = -0x7fffffff - 1;
+
+template <typename T, typename Cache, int D>
+struct PrefillSmem {
+  using Cfg = PrefillConfig<D>;
+  using C = typename Cache::storage;
+  static constexpr int ROWS = 16 * Cfg::M_TILES * Cfg::WARPS;
+  static constexpr int KEYS = Cfg::KEYS;
+  static constexpr int NST = Cfg::STAGES;
+  static constexpr int q_bytes = ROWS * D * 2;                                   // Q tile, then the output tile
+  static constexpr int stage_bytes = 2 * KEYS * D * (int)sizeof(C);               // K and V tiles as stored
+  static constexpr int wide_bytes = Cache::quantized ? 2 * KEYS * D * 2 : 0;      // widened K and V
+  static constexpr int rows_bytes = (NST + 1) * KEYS * 8;                         // row offsets, one tile ahead
+  static constexpr int mapped_bytes = (NST + 1) * (KEYS / 32) * 4;                // mapped-key bit masks
+  static constexpr int total = q_bytes + NST * stage_bytes + wide_bytes + rows_bytes + mapped_bytes;
+};
+
+// Widen 16 cache codes (one 16-byte chunk) to 16 T values (two 16-byte chunks).
+template <typename T, typename Cache>
+CUPA_DEVICE void prefill_widen16(const typename Cache::storage* src, T* dst_lo, T* dst_hi) {
+  const uint4 w = *reinterpret_cast<const uint4*>(src);
+  uint4 a, c;
+  Widen4<T, Cache>::run(w.x, a.x, a.y);
+  Widen4<T, Cache>::run(w.y, a.z, a.w);
+  Widen4<T, Cache>::run(w.z, c.x, c.y);
+  Widen4<T, Cache>::run(w.w, c.z, c.w);
+  *reinterpret_cast<uint4*>(dst_lo) = a;
+  *reinterpret_cast<uint4*>(dst_hi) = c;
+}
+
+// The first packed token whose owner (find_owner in paged.cuh) is >= b, clamped to [0, N].
+// find_owner is non-decreasing in t for ANY cum (each probe's test cum[mid+1] > t can only turn
+// from true to false as t grows), so sequence b owns only tokens in [origin(b), origin(b+1)):
+// these intervals never overlap, whatever cum holds. Walking the search path toward b, a left turn
+// at probe c contributes min(c, .) and a right turn max(c, .) to that first token; the walk keeps
+// their composition as a clamp [lo_t, hi_t] and the answer is lo_t.
+CUPA_DEVICE int owner_origin(const int* cum, int batch_size, int b, int token_count) {
+  long long lo_t = -(1LL << 40), hi_t = 1LL << 40;
+  int lo = 0, hi = batch_size;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    const long long c = __ldg(cum + mid + 1);
+    if (b <= mid) {
+      hi_t = max(lo_t, min(hi_t, c));
+      hi = mid;
+    } else {
+      lo_t = min(hi_t, max(lo_t, c));
+      lo = mid + 1;
+    }
+  }
+  return (int)min(max(lo_t, 0LL), (long long)token_count);
+}
+
+// First tile index of sequence b on the shared tile axis: floor(origin(b)*G / rows) + b.
+// Strictly increasing in b, and sequence b's tiles [first(b), first(b) + ceil((origin(b+1) -
+// origin(b))*G / rows)) end at or before first(b+1).
+CUPA_DEVICE long long seq_first_tile(const int* cum, int batch_size, int b, int token_count, int group, int rows) {
+  return (long long)owner_origin(cum, batch_size, b, token_count) * group / rows + b;
+}
+
+// The sequence whose tiles hold tile x: the largest b in [0, B) with seq_first_tile(b) <= x, or -1.
+// The whole warp searches (32 probes a round: log32(B) rounds of one origin walk each).
+CUPA_DEVICE int tile_owner(const int* cum, int batch_size, int token_count, long long x, int group, int rows,
+                           int lane) {
+  // Invariant: lo == 0 or first_tile(lo - 1) <= x; hi == B or first_tile(hi) > x.
+  int lo = 0, hi = batch_size;
+  while (hi > lo) {
+    const int stride = (hi - lo + 31) / 32;
+    const int probe = (int)min((long long)lo + (long long)(lane + 1) * stride - 1, (long long)hi - 1);
+    const bool above = seq_first_tile(cum, batch_size, probe, token_count, group, rows) > x;
+    const unsigned mask = __ballot_sync(0xffffffffu, above);
+    if (mask == 0) {  // the last lane probed hi - 1
+      lo = hi;
+      break;
+    }
+    const int f = __ffs(mask) - 1;
+    const int new_hi = __shfl_sync(0xffffffffu, probe, f);
+    const int before = __shfl_sync(0xffffffffu, probe, f > 0 ? f - 1 : 0);
+    if (f > 0) lo = before + 1;
+    hi = new_hi;
+  }
+  return lo - 1;
+}
+
+// The zero pass: CTA z zeroes the output rows of the tokens in [z*THREADS, (z+1)*THREADS) that no
+// sequence owns (t >= cum[B], or cum[find_owner(t)] > t). The attention CTAs write exactly the
+// rows of owned tokens, so every output element is written once per call.
+template <typename T, int WARPS>
+CUPA_DEVICE void prefill_zero_pass(T* __restrict__ out, const int* __restrict__ cum, int batch_size, int token_count,
+                                   int num_heads, int head_size) {
+  constexpr int THREADS = WARPS * 32;
+  __shared__ int unowned[THREADS];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const long long t0 = (long long)blockIdx.x * THREADS;
+  const long long t = t0 + tid;
+  bool zero = false;
+  if (t < token_count) {
+    const int b = find_owner(cum, batch_size, (int)t);
+    zero = b >= batch_size || __ldg(cum + b) > t;
+  }
+  unowned[tid] = zero;
+  if (!__syncthreads_or(zero)) return;
+  const long long row_chunks = (long long)num_heads * head_size / 8;  // 16-byte chunks per token
+  for (int i = warp; i < THREADS; i += WARPS) {
+    if (!unowned[i]) continue;
+    uint4* row = reinterpret_cast<uint4*>(out + (t0 + i) * num_heads * head_size);
+    for (long long c = lane; c < row_chunks; c += 32) row[c] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+template <typename T, typename Cache, int D>
+__global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>::MIN_CTAS) paged_prefill(
+    const T* __restrict__ q,  // (N, H, D): prologue output
+    const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
+    const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
+    const int* __restrict__ query_positions, const T* __restrict__ head_sink,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale, T* __restrict__ out,
+    int token_count, int num_heads, int kv_num_heads, int batch_size, int num_blocks, int block_size,
+    int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
+    float softcap, int window, int is_causal, int k_quant, int v_quant) {
+  using Cfg = PrefillConfig<D>;
+  using L = PrefillSmem<T, Cache, D>;
+  using C = typename Cache::storage;
+  constexpr int WARPS = Cfg::WARPS, THREADS = WARPS * 32, ROWS = L::ROWS, KEYS = L::KEYS, NST = L::NST;
+  constexpr int ELEMS_PER_CHUNK = 16 / (int)sizeof(C);
+  constexpr int CHUNKS_PER_ROW = D / ELEMS_PER_CHUNK;
+  constexpr int CHUNKS_PER_THREAD = KEYS * CHUNKS_PER_ROW / THREADS;
+  constexpr int MASK_WORDS = KEYS / 32;
+  static_assert(D % 64 == 0 && D <= 256, "head_size 64, 128 or 256");
+  static_assert(KEYS % 32 == 0 && KEYS <= THREADS, "one thread per key row when finding rows");
+  static_assert(ROWS <= THREADS && ROWS % 32 == 0, "one thread per query row when locating rows");
+  static_assert(KEYS * CHUNKS_PER_ROW % THREADS == 0, "whole copy rounds");
+
+  if ((int)blockIdx.x < zero_ctas) {
+    prefill_zero_pass<T, WARPS>(out, cum, batch_size, token_count, num_heads, D);
+    return;
+  }
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int sTok[ROWS];  // packed token of each row, -1: not this CTA's row
+  __shared__ int sLo[ROWS], sHi[ROWS];  // admitted key range of each row (empty: zero output)
+  __shared__ int sRangeLo[WARPS], sRangeHi[WARPS];
+  T* sQ = reinterpret_cast<T*>(smem);
+  unsigned char* stages = smem + L::q_bytes;
+  T* sKw = reinterpret_cast<T*>(stages + NST * L::stage_bytes);  // widened tiles (quantized only)
+  T* sVw = sKw + KEYS * D;
+  long long* sRows = reinterpret_cast<long long*>(stages + NST * L::stage_bytes + L::wide_bytes);
+  unsigned* sMapped = reinterpret_cast<unsigned*>(sRows + (NST + 1) * KEYS);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int H = num_heads, Hk = kv_num_heads, G = H / Hk;
+  const int cta = (int)blockIdx.x - zero_ctas;
+  const int g = cta % Hk;
+  const long long x = (long long)num_tiles - 1 - cta / Hk;  // heaviest tiles first
+
+  // Which sequence and which of its row tiles (every warp computes the same, so exits are uniform).
+  const int N = token_count, B = batch_size;
+  const int b = tile_owner(cum, B, N, x, G, ROWS, lane);
+  if (b < 0) return;
+  const int seq_origin = owner_origin(cum, B, b, N);  // packed token of the sequence's row 0
+  const long long tile_rows0 = (x - ((long long)seq_origin * G / ROWS + b)) * ROWS;  // first row of the tile
+  const long long seq_rows = ((long long)owner_origin(cum, B, b + 1, N) - seq_origin) * G;
+  if (tile_rows0 >= seq_rows) return;  // a gap between two sequences' tiles
+  const int seq_cum = __ldg(cum + b);
+
+  // Each row's token, ownership and admitted range (thread i: row i). Tokens in the sequence's
+  // interval have find_owner == b; those before cum[b] have no owner (the zero pass writes them).
+  if (tid < ROWS) {
+    const long long row = tile_rows0 + tid;
+    int tok = -1, lo = 0, hi = 0;
+    if (row < seq_rows) {
+      const int t = seq_origin + (int)(row / G);
+      if (t >= seq_cum) {
+        tok = t;
+        const TokenInfo info = locate_token(t, cum, past, B, query_positions, (long long)max_blocks * block_size,
+                                            rotary_max_pos);
+        if (info.valid) key_range(info, is_causal, window, lo, hi);
+      }
+    }
+    if (hi <= lo) lo = hi = 0;
+    sTok[tid] = tok;
+    sLo[tid] = lo;
+    sHi[tid] = hi;
+    const bool live = hi > lo;
+    const int rlo = __reduce_min_sync(0xffffffffu, live ? lo : RANGE_NONE_LO);
+    const int rhi = __reduce_max_sync(0xffffffffu, live ? hi : RANGE_NONE_HI);
+    if (lane == 0) {
+      sRangeLo[warp] = rlo;
+      sRangeHi[warp] = rhi;
+    }
+  }
+  __syncthreads();
+  int klo = RANGE_NONE_LO, khi = RANGE_NONE_HI;  // the union of the rows' ranges
+#pragma unroll
+  for (int w = 0; w < ROWS / 32; ++w) {
+    klo = min(klo, sRangeLo[w]);
+    khi = max(khi, sRangeHi[w]);
+  }
+  const int ntiles = khi > klo ? (khi - klo + KEYS - 1) / KEYS : 0;
+  const int gi_first = (int)(tile_rows0 % G);  // head within the group of row 0
+
+  // Q rows (K scale folded in per channel); rows without admitted keys are zero.
+  for (int c = tid; c < ROWS * (D / 8); c += THREADS) {
+    const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+    if (sHi[r] > sLo[r]) {
+      const int h = g * G + (gi_first + r) % G;
+      load8(q + ((long long)sTok[r] * H + h) * D + col, v);
+      if (k_quant == QUANT_PER_CHANNEL) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] *= k_scale[g * D + col + i];
+      }
+    }
+    store8(sQ + swz<D>(r, col), v);
+  }
+
+  const long long row_stride = (long long)Hk * D;
+  // Row offsets of key tile `kt` into slot kt % (NST + 1), and its mapped-key bit mask.
+  auto find_rows = [&](int kt) {
+    if (tid < KEYS) {
+      int blk = -1, k = 0;
+      if (kt < ntiles) {
+        k = klo + kt * KEYS + tid;
+        if (k < khi) blk = physical_block(block_table, max_blocks, num_blocks, b, k / block_size);
+      }
+      const int slot = kt % (NST + 1);
+      sRows[slot * KEYS + tid] =
+          blk >= 0 ? ((long long)blk * block_size + k % block_size) * row_stride + (long long)g * D : -1;
+      const unsigned mapped = __ballot_sync(0xffffffffu, blk >= 0);
+      if (lane == 0) sMapped[slot * MASK_WORDS + warp] = mapped;
+    }
+  };
+  auto load_tile = [&](int kt) {
+    C* sK = reinterpret_cast<C*>(stages + (kt % NST) * L::stage_bytes);
+    C* sV = sK + KEYS * D;
+    const long long* rows = sRows + (kt % (NST + 1)) * KEYS;
+#pragma unroll
+    for (int i = 0; i < CHUNKS_PER_THREAD; ++i) {
+      const int c = tid + i * THREADS;
+      const int key = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * ELEMS_PER_CHUNK;
+      const long long row = rows[key];
+      const long long off = row >= 0 ? row + col : 0;
+      const int bytes = row >= 0 ? 16 : 0;
+      // T tiles are swizzled for ldmatrix; code tiles are widened linearly first.
+      const int dst = Cache::quantized ? key * D + col : swz<D>(key, col);
+      cp_async_16(sK + dst, key_cache + off, bytes);
+      cp_async_16(sV + dst, value_cache + off, bytes);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < NST; ++s) find_rows(s);
+  __syncthreads();  // sQ, row offsets of the first NST tiles
+#pragma unroll
+  for (int s = 0; s < NST - 1; ++s) {
+    if (s < ntiles) load_tile(s);
+    cp_async_commit();
+  }
+
+  // This thread's rows: r0 = lane / 4 and r0 + 8 of each of the warp's MT m16 tiles (index
+  // i = 2*m + half). Their ranges, and the warp's union (tiles outside it are skipped) and
+  // intersection (tiles inside it need no per-element mask).
+  constexpr int MT = Cfg::M_TILES, WARP_ROWS = 16 * MT, R = 2 * MT;
+  const int warp_row0 = warp * WARP_ROWS, r0 = lane >> 2;
+  auto my_row = [&](int i) { return warp_row0 + (i >> 1) * 16 + r0 + (i & 1) * 8; };
+  int wlo_min = RANGE_NONE_LO, whi_max = RANGE_NONE_HI, wlo_max = RANGE_NONE_HI, whi_min = RANGE_NONE_LO;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int lo = sLo[my_row(i)], hi = sHi[my_row(i)];
+    if (hi > lo) {
+      wlo_min = min(wlo_min, lo);
+      whi_max = max(whi_max, hi);
+      wlo_max = max(wlo_max, lo);
+      whi_min = min(whi_min, hi);
+    }
+  }
+  wlo_min = __reduce_min_sync(0xffffffffu, wlo_min);
+  whi_max = __reduce_max_sync(0xffffffffu, whi_max);
+  wlo_max = __reduce_max_sync(0xffffffffu, wlo_max);
+  whi_min = __reduce_min_sync(0xffffffffu, whi_min);
+
+  // A fragments of Q: rows warp_row0 + m*16 + (lane & 15), columns kk*16 + (lane / 16)*8.
+  auto load_q = [&](unsigned (&frag)[4], int m, int kk) {
+    ldmatrix_x4(frag, sQ + swz<D>(warp_row0 + m * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
+  };
+  unsigned qf[Cfg::Q_IN_REGS ? MT : 1][Cfg::Q_IN_REGS ? D / 16 : 1][4];
+  if constexpr (Cfg::Q_IN_REGS) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) load_q(qf[m][kk], m, kk);
+    }
+  }
+
+  const float score_scale = scale * (k_quant == QUANT_PER_TENSOR ? k_scale[0] : 1.0f);
+  float o[MT][D / 8][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[m][n][0] = o[m][n][1] = o[m][n][2] = o[m][n][3] = 0.0f;
+  }
+  float row_max[R], row_sum[R];  // online-softmax state; row_sum is this lane's share of the row
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    row_max[i] = CUPA_NEG_INF;
+    row_sum[i] = 0.0f;
+  }
+  const int mi = lane >> 3;
+
+  for (int kt = 0; kt < ntiles; ++kt) {
+    cp_async_wait<NST - 2>();
+    __syncthreads();
+    const int stage = kt % NST, slot = kt % (NST + 1);
+    if (kt + NST - 1 < ntiles) load_tile(kt + NST - 1);
+    cp_async_commit();
+    if (kt + NST < ntiles) find_rows(kt + NST);  // read after the next barrier
+
+    const T* sK;
+    const T* sV;
+    if constexpr (Cache::quantized) {
+      // Every warp reads every key, so the whole CTA widens the tile, then waits for it.
+      const C* rK = reinterpret_cast<const C*>(stages + stage * L::stage_bytes);
+      const C* rV = rK + KEYS * D;
+      for (int c = tid; c < KEYS * D / 16; c += THREADS) {
+        const int key = c / (D / 16), col = (c % (D / 16)) * 16;
+        prefill_widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
+        prefill_widen16<T, Cache>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
+      }
+      __syncthreads();
+      sK = sKw;
+      sV = sVw;
+    } else {
+      sK = reinterpret_cast<const T*>(stages + stage * L::stage_bytes);
+      sV = sK + KEYS * D;
+    }
+
+    const int kt0 = klo + kt * KEYS;
+    if (kt0 >= whi_max || kt0 + KEYS <= wlo_min) continue;  // no row of this warp admits these keys
+    const unsigned* mapped = sMapped + slot * MASK_WORDS;
+    bool all_mapped = true;
+#pragma unroll
+    for (int w = 0; w < MASK_WORDS; ++w) all_mapped = all_mapped && mapped[w] == 0xffffffffu;
+    const bool interior = all_mapped && kt0 >= wlo_max && kt0 + KEYS <= whi_min;
+
+    // S = Q K^T for this warp's rows and the tile's KEYS keys; each K fragment serves all MT tiles.
+    float s[MT][KEYS / 8][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int j = 0; j < KEYS / 8; ++j) s[m][j][0] = s[m][j][1] = s[m][j][2] = s[m][j][3] = 0.0f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned qa[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if constexpr (Cfg::Q_IN_REGS) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) qa[m][e] = qf[m][kk][e];
+        } else {
+          load_q(qa[m], m, kk);
+        }
+      }
+#pragma unroll
+      for (int j2 = 0; j2 < KEYS / 16; ++j2) {
+        unsigned bk[4];
+        ldmatrix_x4(bk, sK + swz<D>(j2 * 16 + (mi >> 1) * 8 + (lane & 7), kk * 16 + (mi & 1) * 8));
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          Mma<T>::run(s[m][2 * j2], qa[m], bk[0], bk[1]);
+          Mma<T>::run(s[m][2 * j2 + 1], qa[m], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // Scores (one uniform branch for the rare softcap keeps the common path short), masks,
+    // online softmax (each quad of lanes shares a row).
+    if (softcap > 0.0f) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int j = 0; j < KEYS / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[m][j][e] = softcap_score(s[m][j][e] * score_scale, softcap);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int j = 0; j < KEYS / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[m][j][e] *= score_scale;
+        }
+      }
+    }
+    if (!interior) {  // row ranges come from shared memory: registers are scarce here
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int lo = sLo[my_row(i)], hi = sHi[my_row(i)], m = i >> 1, e0 = (i & 1) * 2;
+#pragma unroll
+        for (int j = 0; j < KEYS / 8; ++j) {
+#pragma unroll
+          for (int e = e0; e < e0 + 2; ++e) {
+            const int col = j * 8 + (lane & 3) * 2 + (e & 1);
+            const int k = kt0 + col;
+            const bool admitted = k >= lo && k < hi && ((mapped[col >> 5] >> (col & 31)) & 1u);
+            if (!admitted) s[m][j][e] = CUPA_NEG_INF;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      float mx[2] = {CUPA_NEG_INF, CUPA_NEG_INF};
+#pragma unroll
+      for (int j = 0; j < KEYS / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[m][j][e]);
+      }
+      float c[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
+        const int i = 2 * m + hf;
+        const float n = fmaxf(row_max[i], mx[hf]);
+        // A row with no admitted key yet (max -inf before and after) has o == 0, sum == 0.
+        c[hf] = row_max[i] == n ? 1.0f : rescale(row_max[i], n);
+        row_max[i] = n;
+      }
+      float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < KEYS / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float v = s[m][j][e];
+          s[m][j][e] = v == CUPA_NEG_INF ? 0.0f : __expf(v - row_max[2 * m + (e >> 1)]);
+          sum[e >> 1] += s[m][j][e];
+        }
+      }
+      row_sum[2 * m] = row_sum[2 * m] * c[0] + sum[0];
+      row_sum[2 * m + 1] = row_sum[2 * m + 1] * c[1] + sum[1];
+      if (__any_sync(0xffffffffu, c[0] != 1.0f || c[1] != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          o[m][n][0] *= c[0];
+          o[m][n][1] *= c[0];
+          o[m][n][2] *= c[1];
+          o[m][n][3] *= c[1];
+        }
+      }
+    }
+
+    // O += P V; each V fragment serves all MT tiles.
+#pragma unroll
+    for (int j2 = 0; j2 < KEYS / 16; ++j2) {
+      unsigned a[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        a[m][0] = Mma<T>::pack(s[m][2 * j2][0], s[m][2 * j2][1]);
+        a[m][1] = Mma<T>::pack(s[m][2 * j2][2], s[m][2 * j2][3]);
+        a[m][2] = Mma<T>::pack(s[m][2 * j2 + 1][0], s[m][2 * j2 + 1][1]);
+        a[m][3] = Mma<T>::pack(s[m][2 * j2 + 1][2], s[m][2 * j2 + 1][3]);
+      }
+#pragma unroll
+      for (int nn = 0; nn < D / 16; ++nn) {
+        unsigned bv[4];
+        ldmatrix_x4_trans(bv, sV + swz<D>(j2 * 16 + (mi & 1) * 8 + (lane & 7), nn * 16 + (mi >> 1) * 8));
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          Mma<T>::run(o[m][2 * nn], a[m], bv[0], bv[1]);
+          Mma<T>::run(o[m][2 * nn + 1], a[m], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: finalize this warp's rows into its own rows of sQ (as T), then store whole rows.
+  // (Only this warp ever read those rows of sQ, so no CTA barrier is needed.)
+  const bool has_sink = head_sink != nullptr;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = 2 * m + hf;
+      const int row = my_row(i);
+      const bool live = sHi[row] > sLo[row];
+      const float sink = has_sink ? Act<T>::to_float(head_sink[g * G + (gi_first + row) % G]) : 0.0f;
+      // finalize() of a unit O is the row's factor (sink and 1/L; 0 without admitted keys), so
+      // each channel costs one multiply instead of a division.
+      const float factor = live ? finalize(row_max[i], row_sum[i], 1.0f, has_sink, sink, 1.0f) : 0.0f;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const int d = n * 8 + (lane & 3) * 2;
+        const float vs0 = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
+        const float vs1 = v_quant ? quant_scale(v_scale, v_quant, g, D, d + 1) : 1.0f;
+        const float x0 = o[m][n][2 * hf] * factor * vs0, x1 = o[m][n][2 * hf + 1] * factor * vs1;
+        *reinterpret_cast<unsigned*>(sQ + swz<D>(row, d)) = Mma<T>::pack(x0, x1);
+      }
+    }
+  }
+  __syncwarp();
+  for (int c = lane; c < WARP_ROWS * (D / 8); c += 32) {
+    const int r = warp_row0 + c / (D / 8), col = (c % (D / 8)) * 8;
+    const int tok = sTok[r];
+    if (tok < 0) continue;
+    const int h = g * G + (gi_first + r) % G;
+    *reinterpret_cast<uint4*>(out + ((long long)tok * H + h) * D + col) =
+        *reinterpret_cast<const uint4*>(sQ + swz<D>(r, col));
+  }
+}

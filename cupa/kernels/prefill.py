@@ -1,0 +1,137 @@
+"""The tensor-core prefill backend: prologue, then FlashAttention-style row tiles over the pages.
+
+After the fused prologue (Q to an (N, H, D) workspace, K/V into the cache), one launch of
+``paged_prefill`` (cuda_src/prefill.cu) does the rest. A CTA owns a tile of query rows -- the
+(new token, query head) pairs of one sequence and one KV head, token-major, so the heads of a GQA
+group share every K/V tile -- and streams the sequence's keys through shared memory in tiles,
+gathered through the block table row by row (any block_size). The row tiles of all sequences are
+numbered on one axis from static sizes only (token_count, batch_size, head counts): sequence b's
+tiles start at ``floor(cum[b]*G/rows) + b`` (for a well-formed ``cumulative_sequence_length``),
+found on the device by a warp-wide search, so a ragged batch is one launch without reading
+lengths back.
+The first CTAs of the grid write zeros to output rows no sequence owns. attention_metadata is
+not needed to size anything: results are the same bits with or without it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .. import graphs, jit
+from ..contract import Problem
+from ..errors import fail
+from . import launch, registry, types
+from .prologue import launch_prologue
+from .types import f32, i32, ptr
+
+PREFILL_DTYPES = ("float16", "bfloat16")
+PREFILL_HEAD_SIZES = (64, 128, 256)
+#: head_size -> (warps per CTA, m16 tiles per warp, keys per shared-memory tile, cp.async stages);
+#: mirrors PrefillConfig in prefill.cu. A CTA owns 16 * m_tiles * warps query rows.
+TILE_CONFIG = {64: (4, 2, 64, 3), 128: (4, 2, 32, 3), 256: (8, 1, 32, 2)}
+MAX_GRID_X = (1 << 31) - 1
+
+
+def rows_per_cta(head_size: int) -> int:
+    warps, m_tiles, _, _ = TILE_CONFIG[head_size]
+    return 16 * m_tiles * warps
+
+
+def threads_per_cta(head_size: int) -> int:
+    return 32 * TILE_CONFIG[head_size][0]
+
+
+def shared_bytes(problem: Problem) -> int:
+    """Dynamic shared memory of paged_prefill (mirrors PrefillSmem in prefill.cu)."""
+    D = problem.head_size
+    _, _, keys, stages = TILE_CONFIG[D]
+    code = 1 if problem.quantized else 2
+    q_bytes = rows_per_cta(D) * D * 2
+    stage = 2 * keys * D * code
+    wide = 2 * keys * D * 2 if problem.quantized else 0
+    rows = (stages + 1) * keys * 8
+    mapped = (stages + 1) * (keys // 32) * 4
+    return q_bytes + stages * stage + wide + rows + mapped
+
+
+def launch_plan(problem: Problem) -> dict:
+    """Grid of one call, from static sizes only (never attention_metadata or device data)."""
+    p = problem
+    D = p.head_size
+    rows = rows_per_cta(D)
+    threads = threads_per_cta(D)
+    num_tiles = (p.token_count * p.group_size) // rows + p.batch_size
+    zero_ctas = math.ceil(p.token_count / threads)  # one thread per token checks its ownership
+    return {"rows": rows, "threads": threads, "num_tiles": num_tiles, "zero_ctas": zero_ctas,
+            "grid": zero_ctas + num_tiles * p.kv_num_heads,
+            "keys": TILE_CONFIG[D][2], "stages": TILE_CONFIG[D][3]}
+
+
+class PrefillBackend:
+    name = "prefill"
+
+    def not_supported_reasons(self, problem: Problem) -> list:
+        p, reasons = problem, []
+        if p.latent:
+            reasons.append("kv_cache_layout='LATENT' (MLA) is not served by the prefill backend yet")
+        if p.has_bias:
+            reasons.append("attention_bias is not served by the prefill backend yet")
+        if p.attrs.qk_output:
+            reasons.append("output_qk (qk_output != 0) is not served by the prefill backend yet")
+        if p.dtype not in PREFILL_DTYPES:
+            reasons.append(f"T={p.dtype}: the tensor-core prefill takes float16 or bfloat16")
+        if p.head_size not in PREFILL_HEAD_SIZES:
+            reasons.append(f"head_size {p.head_size} not in {PREFILL_HEAD_SIZES}")
+        elif not reasons and launch_plan(p)["grid"] > MAX_GRID_X:
+            reasons.append(f"{launch_plan(p)['grid']} CTAs exceed one launch's grid ({MAX_GRID_X})")
+        return reasons
+
+    def preferred(self, problem: Problem) -> bool:
+        # Seed 4.7's static rule: more tokens than sequences means some sequence has several.
+        return problem.token_count > problem.batch_size
+
+    def describe(self, problem: Problem) -> str:
+        plan = launch_plan(problem)
+        return (f"paged prefill on tensor cores (mma.sync m16n8k16): one CTA per (tile of {plan['rows']} "
+                f"(token, group head) rows of one sequence, KV head); {plan['num_tiles']} row tiles x "
+                f"{problem.kv_num_heads} KV heads + {plan['zero_ctas']} zero-pass CTA(s); keys in tiles of "
+                f"{plan['keys']} through a {plan['stages']}-stage cp.async pipeline; fused prologue first; "
+                f"token_count ({problem.token_count}) {'>' if self.preferred(problem) else '<='} batch_size "
+                f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
+
+    def run(self, problem: Problem, inputs: dict, out=None, stream=None):
+        p = problem
+        call = launch.prepare(p, inputs, out, stream)
+        if p.token_count == 0:
+            return call.finish()
+        if call.output.data.ptr % 16:
+            raise fail("out", f"a device pointer at {call.output.data.ptr:#x}",
+                       "16-byte alignment (the prefill kernel stores whole 16-byte chunks)")
+        cp = call.cupy
+        with call:
+            q_ws = cp.empty((p.token_count, p.num_heads, p.head_size), dtype=call.dev["query"].dtype)
+            graphs.keep_alive(q_ws)  # workspaces live as long as a graph that captured them
+            launch_prologue(p, call.dev, q_ws)
+            self._attend(p, call, q_ws)
+        return call.finish()
+
+    def _attend(self, p: Problem, call, q_ws) -> None:
+        dev, a = call.dev, p.attrs
+        plan = launch_plan(p)
+        kernel = jit.get_kernel(registry.prefill_spec(p.dtype, p.cache_kind, p.head_size))
+        shared = shared_bytes(p)
+        launch.ensure_shared_memory(kernel, shared)
+        kernel(
+            (plan["grid"],), (plan["threads"],),
+            (q_ws, dev["key_cache"], dev["value_cache"], dev["cumulative_sequence_length"], dev["past_seqlens"],
+             dev["block_table"], ptr(dev["query_positions"]), ptr(dev["head_sink"]), ptr(dev["k_scale"]),
+             ptr(dev["v_scale"]), call.output,
+             i32(p.token_count), i32(p.num_heads), i32(p.kv_num_heads), i32(p.batch_size), i32(p.num_blocks),
+             i32(p.block_size), i32(p.max_blocks_per_seq), i32(plan["zero_ctas"]), i32(plan["num_tiles"]),
+             i32(p.rotary_max_pos if p.rotary_dim else 0), f32(p.scale), f32(a.softcap), i32(a.local_window_size),
+             i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant])),
+            shared_mem=shared,
+        )
+
+
+BACKEND = PrefillBackend()

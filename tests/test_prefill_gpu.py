@@ -1,0 +1,266 @@
+"""CUDA prefill backend (prologue + tensor-core row tiles over the pages) against the NumPy reference.
+
+Quick tier: the unmarked-slow tests (run after every kernel change). Full matrix: `slow`.
+Every run draws fresh random data, poisons the output with NaN and checks every element and
+cache byte (tests/gpu_cases.py). Each case asserts first that dispatch picks the prefill backend.
+"""
+
+import numpy as np
+import pytest
+
+import cupa
+from tests import gpu_cases as gc
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+def chosen_backend(cp, inputs, attrs, metadata=None) -> str:
+    text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs), attention_metadata=metadata)
+    return next(line.split(":")[0] for line in text.splitlines() if ": chosen" in line)
+
+
+def check_prefill(cp, inputs, attrs, *, dtype="float16", cache="T", metadata=None):
+    assert chosen_backend(cp, inputs, attrs, metadata) == "prefill"
+    return gc.check_against_reference(cp, inputs, attrs, dtype=dtype, cache=cache, metadata=metadata)
+
+
+def reversed_positions(inputs):
+    """query_positions holding each sequence's positions in reverse order (each slot written once)."""
+    cum, past = inputs["cumulative_sequence_length"], inputs["past_seqlens"]
+    pos = inputs["query_positions"]
+    for b in range(len(past)):
+        pos[cum[b]:cum[b + 1]] = pos[cum[b]:cum[b + 1]][::-1]
+
+
+# ---- quick tier -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_prefill_ragged(cp, rng, dtype):
+    inputs, attrs = gc.build(rng, q_lens=[37, 0, 64], past=[0, 0, 0], H=8, Hk=2, D=128, dtype=dtype)
+    check_prefill(cp, inputs, attrs, dtype=dtype)
+
+
+def test_prefill_chunked(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[300], past=[1000], H=8, Hk=2, D=128, block_size=16)
+    check_prefill(cp, inputs, attrs)
+
+
+def test_prefill_gqa_32_8(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[100, 57], past=[0, 30], H=32, Hk=8, D=128, block_size=16, rotary=True)
+    check_prefill(cp, inputs, attrs)
+
+
+def test_prefill_int8(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[45, 80], past=[20, 0], H=8, Hk=2, D=128, cache="int8",
+                             k_quant="PER_CHANNEL", v_quant="PER_TENSOR")
+    check_prefill(cp, inputs, attrs, cache="int8")
+
+
+def test_prefill_window_sink_softcap(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[90, 3, 40], past=[50, 7, 0], H=8, Hk=2, D=64, window=33, sink=True,
+                             softcap=30.0)
+    check_prefill(cp, inputs, attrs)
+
+
+def test_prefill_deterministic_and_metadata_bits(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[150, 20, 77], past=[0, 600, 33], H=16, Hk=4, D=128)
+    cap = inputs["block_table"].shape[1] * 16
+    outs = []
+    for md in (None, [150, 620], [1000, cap], [150, 620, 100], None):
+        fresh = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+        out, _ = check_prefill(cp, fresh, attrs, metadata=md)
+        outs.append(cp.asnumpy(out).view(np.uint16))
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0]), "attention_metadata or a rerun changed the result bits"
+
+
+def test_explain_chooses_prefill_for_many_tokens(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[5, 3], past=[10, 10], H=8, Hk=2, D=128)
+    text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
+    assert "prefill: chosen" in text and "token_count (8) > batch_size (2)" in text, text
+    assert "decode: eligible but not preferred" in text, text
+    # token_count == batch_size: decode-shaped, the decode backend runs it
+    inputs, attrs = gc.build(rng, q_lens=[1, 1], past=[10, 10], H=8, Hk=2, D=128)
+    assert chosen_backend(cp, inputs, attrs) == "decode"
+
+
+@pytest.mark.parametrize("case", ["float32", "head_size_96"])
+def test_unsupported_shapes_fall_back_to_decode(cp, rng, case):
+    kw = dict(dtype="float32") if case == "float32" else dict(D=96)
+    inputs, attrs = gc.build(rng, q_lens=[20, 9], past=[5, 0], H=4, Hk=2, **kw)
+    text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
+    assert "prefill: not eligible" in text and "decode: chosen" in text, text
+    gc.check_against_reference(cp, inputs, attrs, dtype=kw.get("dtype", "float16"))
+
+
+def test_prefill_graph_capture(cp, rng):
+    """The call captures into a CUDA graph on a CuPy stream: proof of no host synchronization."""
+    inputs, attrs = gc.build(rng, q_lens=[40, 25], past=[100, 0], H=8, Hk=2, D=128)
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    ref = cupa.paged_attention(**ref_in, **attrs)
+    dev = gc.to_device(cp, inputs)
+    out = cp.full((65, 8 * 128), np.nan, dtype=cp.float16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        cupa.paged_attention(**gc.to_device(cp, inputs), out=cp.empty_like(out), **attrs)  # compile first
+        stream.synchronize()
+        stream.begin_capture()
+        cupa.paged_attention(**dev, out=out, attention_metadata=[40, 140], **attrs)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert gc.rel_error(cp.asnumpy(out), ref) < 2e-3
+
+
+# ---- full matrix (slow) -----------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [1, 8, 16, 64, 256, 512])
+def test_matrix_block_sizes(cp, rng, block_size):
+    inputs, attrs = gc.build(rng, q_lens=[70, 0, 130, 1], past=[0, 300, 20, 700], H=8, Hk=2, D=128,
+                             block_size=block_size)
+    check_prefill(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_matrix_head_sizes(cp, rng, D, dtype):
+    inputs, attrs = gc.build(rng, q_lens=[61, 130, 9], past=[0, 45, 300], H=8, Hk=2, D=D, dtype=dtype, rotary=True,
+                             rotary_dim=min(D, 64))
+    check_prefill(cp, inputs, attrs, dtype=dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("past", [0, 1000, 8192])
+def test_matrix_chunked_prefill(cp, rng, past):
+    inputs, attrs = gc.build(rng, q_lens=[256, 64], past=[past, past // 2], H=8, Hk=2, D=128, block_size=16)
+    check_prefill(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("H,Hk", [(4, 4), (6, 2), (8, 1), (32, 8), (40, 8), (64, 2), (128, 1), (256, 1)])
+def test_matrix_groups(cp, rng, H, Hk):
+    inputs, attrs = gc.build(rng, q_lens=[33, 0, 20], past=[10, 5, 0], H=H, Hk=Hk, D=64)
+    check_prefill(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+def test_matrix_ragged_zero_token_sequences(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[0, 5, 0, 133, 1, 0, 70, 0], past=[3, 0, 0, 40, 900, 0, 0, 17], H=8, Hk=2,
+                             D=128)
+    check_prefill(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [-1, 1, 24])
+def test_matrix_not_causal(cp, rng, window):
+    inputs, attrs = gc.build(rng, q_lens=[40, 7, 90], past=[0, 30, 64], H=8, Hk=2, D=64, is_causal=0, window=window)
+    check_prefill(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("is_causal", [0, 1])
+def test_matrix_query_positions(cp, rng, is_causal):
+    # positions reversed within each sequence: every row of a tile has its own causal range
+    inputs, attrs = gc.build(rng, q_lens=[70, 2, 150], past=[10, 0, 64], H=8, Hk=2, D=128, query_positions=True,
+                             is_causal=is_causal, window=50, rotary=True)
+    reversed_positions(inputs)
+    check_prefill(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("rotary,interleaved", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_matrix_prologue(cp, rng, norm, rotary, interleaved, packed):
+    inputs, attrs = gc.build(rng, q_lens=[50, 0, 77], past=[0, 4, 31], H=8, Hk=2, D=128, qk_norm=norm, rotary=rotary,
+                             interleaved=interleaved, packed=packed, rotary_dim=64, rotary_offset=32 if rotary else 0)
+    check_prefill(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+@pytest.mark.parametrize("kq", ["PER_TENSOR", "PER_CHANNEL"])
+@pytest.mark.parametrize("vq", ["PER_TENSOR", "PER_CHANNEL"])
+def test_matrix_quant(cp, rng, dtype, cache, kq, vq):
+    inputs, attrs = gc.build(rng, q_lens=[64, 9, 100], past=[0, 200, 40], H=8, Hk=2, D=128, dtype=dtype, cache=cache,
+                             k_quant=kq, v_quant=vq, rotary=True, sink=True)
+    check_prefill(cp, inputs, attrs, dtype=dtype, cache=cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+def test_matrix_quant_head_sizes(cp, rng, D, cache):
+    inputs, attrs = gc.build(rng, q_lens=[64, 100], past=[7, 40], H=8, Hk=2, D=D, cache=cache,
+                             k_quant="PER_CHANNEL", v_quant="PER_CHANNEL")
+    check_prefill(cp, inputs, attrs, cache=cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("table", ["shared", "unmapped"])
+def test_matrix_block_tables(cp, rng, table):
+    inputs, attrs = gc.build(rng, q_lens=[50, 60, 30], past=[70, 80, 90], H=8, Hk=2, D=128, block_table=table,
+                             block_size=16)
+    check_prefill(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+def test_matrix_slot_mapping_skip(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[20, 31], past=[0, 5], H=8, Hk=2, D=64)
+    slots = gc.derived_slots(inputs, 16)
+    slots[3] = -1
+    slots[40] = -1
+    inputs["slot_mapping"] = np.asarray(slots, dtype=np.int32)
+    check_prefill(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+def test_matrix_malformed_lengths_and_blocks(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[12, 9, 30, 17, 6], past=[10, 20, 30, 40, 0], H=8, Hk=2, D=128,
+                             query_positions=True)
+    inputs["past_seqlens"][1] = -5                       # invalid sequence: zeros, no write
+    inputs["past_seqlens"][2] = 10**6                    # beyond the table: invalid
+    inputs["block_table"][3, 0] = 10**6                   # out-of-range block: masked
+    inputs["query_positions"][60] = -3                    # invalid token: zeros, no write
+    check_prefill(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["padding", "leading_gap", "decreasing", "negative", "beyond_n"])
+def test_matrix_malformed_cum(cp, rng, layout):
+    """Tokens outside every sequence get zeros; any cum gives the reference's one outcome."""
+    inputs, attrs = gc.build(rng, q_lens=[20, 35, 9, 40], past=[5, 0, 60, 11], H=8, Hk=2, D=64)
+    cum = inputs["cumulative_sequence_length"]
+    N = int(cum[-1])
+    if layout == "padding":          # trailing tokens that no sequence owns
+        cum[-1] = N - 13
+    elif layout == "leading_gap":
+        cum[0] = 6
+    elif layout == "decreasing":     # cum[2] < cum[1]: sequence 1 invalid, ownership by the binary search
+        cum[2] = 10
+    elif layout == "negative":
+        cum[0] = -7
+        cum[1] = 30
+    else:                            # cum[B] beyond token_count
+        cum[-1] = N + 50
+        cum[-2] = N - 3
+    check_prefill(cp, inputs, attrs)
+
+
+@pytest.mark.slow
+def test_matrix_large_batch_mixed(cp, rng):
+    B = 300
+    q_lens = [int(x) for x in rng.integers(0, 3, size=B)]
+    q_lens[7] = 200
+    inputs, attrs = gc.build(rng, q_lens=q_lens, past=[int(x) for x in rng.integers(0, 300, size=B)], H=8, Hk=2, D=128)
+    check_prefill(cp, inputs, attrs)
