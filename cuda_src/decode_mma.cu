@@ -36,19 +36,6 @@ struct MmaDecodeSmem {
   static constexpr int total = loop_bytes > combine_bytes + q_bytes ? loop_bytes : combine_bytes + q_bytes;
 };
 
-// Widen 16 cache codes (one 16-byte chunk) to 16 T values (two 16-byte chunks).
-template <typename T, typename Cache>
-CUPA_DEVICE void widen16(const typename Cache::storage* src, T* dst_lo, T* dst_hi) {
-  const uint4 w = *reinterpret_cast<const uint4*>(src);
-  uint4 a, b;
-  Widen4<T, Cache>::run(w.x, a.x, a.y);
-  Widen4<T, Cache>::run(w.y, a.z, a.w);
-  Widen4<T, Cache>::run(w.z, b.x, b.y);
-  Widen4<T, Cache>::run(w.w, b.z, b.w);
-  *reinterpret_cast<uint4*>(dst_lo) = a;
-  *reinterpret_cast<uint4*>(dst_hi) = b;
-}
-
 template <typename T, typename Cache, int D>
 __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
     const T* __restrict__ q,  // (N, H, D): prologue output
@@ -63,9 +50,6 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
   using C = typename Cache::storage;
   using L = MmaDecodeSmem<T, Cache, D>;
   constexpr int NST = L::NST;
-  constexpr int ELEMS_PER_CHUNK = 16 / (int)sizeof(C);
-  constexpr int CHUNKS_PER_ROW = D / ELEMS_PER_CHUNK;
-  constexpr int CHUNKS_PER_THREAD = KEY_TILE * CHUNKS_PER_ROW / (MMA_WARPS * 32);
   static_assert(D % 64 == 0 && D <= 128, "head_size 64 or 128");
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -123,20 +107,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
   };
   auto load_tile = [&](int tile) {
     C* sK = reinterpret_cast<C*>(stages + (tile % NST) * L::stage_bytes);
-    C* sV = sK + KEY_TILE * D;
-    const long long* rows = sRows + (tile % (NST + 1)) * KEY_TILE;
-#pragma unroll
-    for (int i = 0; i < CHUNKS_PER_THREAD; ++i) {
-      const int c = tid + i * MMA_WARPS * 32;
-      const int key = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * ELEMS_PER_CHUNK;
-      const long long row = rows[key];
-      const long long off = row >= 0 ? row + col : 0;
-      const int bytes = row >= 0 ? 16 : 0;
-      // T tiles are swizzled for ldmatrix; code tiles are widened linearly first.
-      const int dst = Cache::quantized ? key * D + col : swz<D>(key, col);
-      cp_async_16(sK + dst, key_cache + off, bytes);
-      cp_async_16(sV + dst, value_cache + off, bytes);
-    }
+    gather_kv_tile<C, Cache::quantized, D, KEY_TILE, MMA_WARPS * 32>(
+        sK, sK + KEY_TILE * D, sRows + (tile % (NST + 1)) * KEY_TILE, key_cache, value_cache, tid);
   };
 
 #pragma unroll

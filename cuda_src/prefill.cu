@@ -65,19 +65,6 @@ struct PrefillSmem {
   static constexpr int total = q_bytes + NST * stage_bytes + wide_bytes + rows_bytes + mapped_bytes;
 };
 
-// Widen 16 cache codes (one 16-byte chunk) to 16 T values (two 16-byte chunks).
-template <typename T, typename Cache>
-CUPA_DEVICE void prefill_widen16(const typename Cache::storage* src, T* dst_lo, T* dst_hi) {
-  const uint4 w = *reinterpret_cast<const uint4*>(src);
-  uint4 a, c;
-  Widen4<T, Cache>::run(w.x, a.x, a.y);
-  Widen4<T, Cache>::run(w.y, a.z, a.w);
-  Widen4<T, Cache>::run(w.z, c.x, c.y);
-  Widen4<T, Cache>::run(w.w, c.z, c.w);
-  *reinterpret_cast<uint4*>(dst_lo) = a;
-  *reinterpret_cast<uint4*>(dst_hi) = c;
-}
-
 // The first packed token whose owner (find_owner in paged.cuh) is >= b, clamped to [0, N].
 // find_owner is non-decreasing in t for ANY cum (each probe's test cum[mid+1] > t can only turn
 // from true to false as t grows), so sequence b owns only tokens in [origin(b), origin(b+1)):
@@ -172,14 +159,10 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   using L = PrefillSmem<T, Cache, D>;
   using C = typename Cache::storage;
   constexpr int WARPS = Cfg::WARPS, THREADS = WARPS * 32, ROWS = L::ROWS, KEYS = L::KEYS, NST = L::NST;
-  constexpr int ELEMS_PER_CHUNK = 16 / (int)sizeof(C);
-  constexpr int CHUNKS_PER_ROW = D / ELEMS_PER_CHUNK;
-  constexpr int CHUNKS_PER_THREAD = KEYS * CHUNKS_PER_ROW / THREADS;
   constexpr int MASK_WORDS = KEYS / 32;
   static_assert(D % 64 == 0 && D <= 256, "head_size 64, 128 or 256");
   static_assert(KEYS % 32 == 0 && KEYS <= THREADS, "one thread per key row when finding rows");
   static_assert(ROWS <= THREADS && ROWS % 32 == 0, "one thread per query row when locating rows");
-  static_assert(KEYS * CHUNKS_PER_ROW % THREADS == 0, "whole copy rounds");
 
   if ((int)blockIdx.x < zero_ctas) {
     prefill_zero_pass<T, WARPS>(out, cum, batch_size, token_count, num_heads, D);
@@ -284,20 +267,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   };
   auto load_tile = [&](int kt) {
     C* sK = reinterpret_cast<C*>(stages + (kt % NST) * L::stage_bytes);
-    C* sV = sK + KEYS * D;
-    const long long* rows = sRows + (kt % (NST + 1)) * KEYS;
-#pragma unroll
-    for (int i = 0; i < CHUNKS_PER_THREAD; ++i) {
-      const int c = tid + i * THREADS;
-      const int key = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * ELEMS_PER_CHUNK;
-      const long long row = rows[key];
-      const long long off = row >= 0 ? row + col : 0;
-      const int bytes = row >= 0 ? 16 : 0;
-      // T tiles are swizzled for ldmatrix; code tiles are widened linearly first.
-      const int dst = Cache::quantized ? key * D + col : swz<D>(key, col);
-      cp_async_16(sK + dst, key_cache + off, bytes);
-      cp_async_16(sV + dst, value_cache + off, bytes);
-    }
+    gather_kv_tile<C, Cache::quantized, D, KEYS, THREADS>(sK, sK + KEYS * D, sRows + (kt % (NST + 1)) * KEYS,
+                                                          key_cache, value_cache, tid);
   };
 
 #pragma unroll
@@ -375,8 +346,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       const C* rV = rK + KEYS * D;
       for (int c = tid; c < KEYS * D / 16; c += THREADS) {
         const int key = c / (D / 16), col = (c % (D / 16)) * 16;
-        prefill_widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
-        prefill_widen16<T, Cache>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
+        widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
+        widen16<T, Cache>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
       }
       __syncthreads();
       sK = sKw;

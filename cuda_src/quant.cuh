@@ -98,3 +98,16 @@ template <> struct Widen4<__nv_bfloat16, CacheFp8> {
     hi = half2_to_bf162_bits(hi);
   }
 };
+
+// Widen 16 cache codes (one 16-byte chunk) to 16 T values (two 16-byte chunks).
+template <typename T, typename Cache>
+CUPA_DEVICE void widen16(const typename Cache::storage* src, T* dst_lo, T* dst_hi) {
+  const uint4 w = *reinterpret_cast<const uint4*>(src);
+  uint4 a, b;
+  Widen4<T, Cache>::run(w.x, a.x, a.y);
+  Widen4<T, Cache>::run(w.y, a.z, a.w);
+  Widen4<T, Cache>::run(w.z, b.x, b.y);
+  Widen4<T, Cache>::run(w.w, b.z, b.w);
+  *reinterpret_cast<uint4*>(dst_lo) = a;
+  *reinterpret_cast<uint4*>(dst_hi) = b;
+}
