@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from .errors import PagedAttentionError, fail
+from .errors import fail
 
 #: ONNX input order (SPEC section 1). Positional arguments follow it.
 INPUT_NAMES = (

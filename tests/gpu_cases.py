@@ -169,3 +169,25 @@ def check_against_reference(cp, inputs, attrs, *, metadata=None, dtype="float16"
     assert_cache_close(cp.asnumpy(dev["key_cache"]), ref_in["key_cache"], cache, dtype, "key_cache")
     assert_cache_close(cp.asnumpy(dev["value_cache"]), ref_in["value_cache"], cache, dtype, "value_cache")
     return out, dev
+
+
+def check_graph_capture(cp, inputs, attrs, metadata):
+    """Capture one call into a CUDA graph on a CuPy stream, replay it, compare with the reference.
+
+    Capture fails on any host synchronization, so this is the proof that a call has none.
+    """
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    ref = cupa.paged_attention(**ref_in, **attrs)
+    dev = to_device(cp, inputs)
+    N, H, D = inputs["query"].shape[0], attrs["num_heads"], inputs["key_cache"].shape[-1]
+    out = cp.full((N, H * D), np.nan, dtype=dev["query"].dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        cupa.paged_attention(**to_device(cp, inputs), out=cp.empty_like(out), **attrs)  # compile first
+        stream.synchronize()
+        stream.begin_capture()
+        cupa.paged_attention(**dev, out=out, attention_metadata=metadata, **attrs)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert rel_error(cp.asnumpy(out), ref) < TOLERANCE[np.dtype(inputs["query"].dtype).name]

@@ -4,7 +4,6 @@ Quick tier: the unmarked-slow tests (run after every kernel change). Full matrix
 Every run draws fresh random data, poisons the output and checks every element and cache byte.
 """
 
-import math
 
 import numpy as np
 import pytest
@@ -103,20 +102,7 @@ def test_decode_empty_call(cp, rng):
 def test_decode_graph_capture(cp, rng):
     """The call captures into a CUDA graph on a CuPy stream: proof of no host synchronization."""
     inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=128, past=[100, 200, 300, 400])
-    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-    ref = cupa.paged_attention(**ref_in, **attrs)
-    dev = gc.to_device(cp, inputs)
-    out = cp.full((4, 8 * 128), np.nan, dtype=cp.float16)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        cupa.paged_attention(**gc.to_device(cp, inputs), out=cp.empty_like(out), **attrs)  # compile first
-        stream.synchronize()
-        stream.begin_capture()
-        cupa.paged_attention(**dev, out=out, attention_metadata=[1, 512], **attrs)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-    assert gc.rel_error(cp.asnumpy(out), ref) < 2e-3
+    gc.check_graph_capture(cp, inputs, attrs, metadata=[1, 512])
 
 
 @pytest.mark.parametrize("feature", ["bias", "qk_output", "latent"])
