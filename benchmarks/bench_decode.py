@@ -116,6 +116,7 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/decode.json")
     ap.add_argument("--quick", action="store_true", help="fewer reps and cases (smoke run)")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run the cases whose name has one")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -136,6 +137,8 @@ def main(argv=None):
     if args.quick:
         cases = [c for c in cases if c[0] in ("gqa32/8 B=64 L=4096", "gqa32/8 B=8 L=8192",
                                               "no metadata B=8 L=8192", "int8 per-channel B=64 L=4096")]
+    if args.only:
+        cases = [c for c in cases if any(part and part in c[0] for part in args.only.split(","))]
     results = []
     best_bw = 0.0
     for name, B, L, H, Hk, cache, md in cases:

@@ -6,8 +6,9 @@
 // Lanes split the head dimension into 8-element chunks (16-byte loads for 16-bit caches);
 // LPK lanes cover one key, so a warp covers 32/LPK keys per step, several steps in flight.
 // Each subgroup keeps its own online-softmax state; states are merged in a fixed order
-// (xor tree within the warp, warps 0..3 in the CTA), then either finalized into `out`
-// (num_splits == 1) or written as a partial (m, l, o) for paged_decode_merge.
+// (xor tree within the warp, warps 0..3 in the CTA), then either finalized into `out` (the
+// token's only split with admitted keys) or written as a partial (m, l, o) that the last split
+// CTA to finish merges (epilogue.cuh).
 // Host values that size the launch: token_count, head counts, num_splits (from the static
 // capacity or the attention_metadata bound) and chunk (static); none enters a mask.
 #include "common.cuh"
@@ -26,13 +27,14 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
     const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
     const int* __restrict__ query_positions, const T* __restrict__ head_sink,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
-    T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml,
+    T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ counters,
     int num_heads, int kv_num_heads, int head_size, int batch_size, int num_blocks, int block_size,
     int max_blocks, int chunk, int num_splits, int rotary_max_pos, float scale, float softcap,
     int window, int is_causal, int k_quant, int v_quant) {
   constexpr int U = sizeof(typename Cache::storage) == 4 ? 2 : 4;  // keys in flight per subgroup
   __shared__ float sm_m[DECODE_WARPS][GT], sm_l[DECODE_WARPS][GT];
   __shared__ float sm_o[DECODE_WARPS][GT][MAX_HEAD_SIZE];
+  __shared__ int last_flag;
 
   const int t = blockIdx.x, split = blockIdx.z;
   const int H = num_heads, Hk = kv_num_heads, D = head_size, G = H / Hk;
@@ -51,9 +53,12 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
                                       (long long)max_blocks * block_size, rotary_max_pos);
   int lo = 0, hi = 0;
   if (info.valid) key_range(info, is_causal, window, lo, hi);
+  int s_first, s_last;
+  split_span(lo, hi, chunk, num_splits, s_first, s_last);
+  if (split < s_first || split > s_last) return;  // no admitted key in this split: nothing to merge
+  const bool direct = s_first == s_last;
   lo = max(lo, split * chunk);
   hi = min(hi, (int)min((long long)(split + 1) * chunk, (long long)hi));
-  if (num_splits > 1 && hi <= lo) return;  // the merge skips splits outside the admitted range
 
   // q chunk for each head, with the K scale folded in (exact: the zero point is 0).
   float qr[GT][8];
@@ -158,46 +163,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
   __syncthreads();
 
   store_rows<T>(&sm_m[0][0], &sm_l[0][0], &sm_o[0][0][0], DECODE_WARPS, GT, MAX_HEAD_SIZE, nh, D, t, h0, H, g, split,
-                num_splits, head_sink, v_scale, v_quant, out, part_o, part_ml);
-}
-
-// Merge the splits of one (token, head): grid (N, H), threads over channels.
-// The merge finds the token's admitted range itself and reads only the splits that overlap it
-// (the others exited without writing), in index order; a split whose keys were all masked
-// (l == 0) contributes nothing.
-template <typename T>
-__global__ void __launch_bounds__(128) paged_decode_merge(
-    const float* __restrict__ part_o, const float2* __restrict__ part_ml, const T* __restrict__ head_sink,
-    const float* __restrict__ v_scale, T* __restrict__ out, const int* __restrict__ cum, const int* __restrict__ past,
-    const int* __restrict__ query_positions, int num_heads, int kv_num_heads, int head_size, int batch_size,
-    int max_blocks, int block_size, int rotary_max_pos, int is_causal, int window, int chunk, int num_splits,
-    int v_quant) {
-  const int t = blockIdx.x, h = blockIdx.y, D = head_size;
-  const int g = h / (num_heads / kv_num_heads);
-  const TokenInfo info = locate_token(t, cum, past, batch_size, query_positions,
-                                      (long long)max_blocks * block_size, rotary_max_pos);
-  int lo = 0, hi = 0;
-  if (info.valid) key_range(info, is_causal, window, lo, hi);
-  const int s_first = hi > lo ? lo / chunk : 0;
-  const int s_last = hi > lo ? min((hi - 1) / chunk, num_splits - 1) : -1;
-  const long long row0 = ((long long)t * num_heads + h) * num_splits;
-  float M = CUPA_NEG_INF;
-  for (int s = s_first; s <= s_last; ++s) {
-    const float2 ml = part_ml[row0 + s];
-    if (ml.y > 0.0f) M = fmaxf(M, ml.x);
-  }
-  const float sink = head_sink ? Act<T>::to_float(head_sink[h]) : 0.0f;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float L = 0.0f, O = 0.0f;
-    for (int s = s_first; s <= s_last; ++s) {
-      const float2 ml = part_ml[row0 + s];
-      if (ml.y > 0.0f) {
-        const float c = rescale(ml.x, M);
-        L = L * 1.0f + ml.y * c;
-        O = O + part_o[(row0 + s) * D + d] * c;
-      }
-    }
-    const float vs = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
-    out[((long long)t * num_heads + h) * D + d] = Act<T>::from_float(finalize(M, L, O, head_sink != nullptr, sink, vs));
-  }
+                num_splits, direct, head_sink, v_scale, v_quant, out, part_o, part_ml);
+  if (!direct)
+    merge_splits_if_last<T>(counters + (long long)t * gridDim.y + blockIdx.y, &last_flag, s_first, s_last, nh, D, t,
+                            h0, H, g, num_splits, head_sink, v_scale, v_quant, out, part_o, part_ml);
 }

@@ -3,13 +3,25 @@
 // the chunk's heads are the 16 rows of an mma.sync m16n8k16 tile, so each KV byte is read once
 // per KV head. Keys of the split's admitted range stream through shared memory in tiles of 64
 // (cp.async, NST stages, rows gathered through the block table one by one, so any block_size
-// works; masked rows are zero-filled). Quantized tiles land as codes and are widened to T in
-// shared memory (exact: int8 and e4m3 values are representable in fp16/bf16); the K scale is
-// folded into Q (PER_CHANNEL) or the score scale (PER_TENSOR), the V scale into the epilogue.
-// Each of the 4 warps takes 16 keys of a tile and keeps its own online-softmax state; the warps
-// are merged in a fixed order, then finalized (one split) or written as a partial for
-// paged_decode_merge (decode.cu). Host values that size the launch: token_count, head counts,
-// num_splits and chunk (see decode.cu); none enters a mask.
+// works; masked rows are zero-filled). Each of the 4 warps takes 16 keys of a tile and keeps its
+// own online-softmax state; the warps are merged in a fixed order, then finalized (the token's
+// only split with admitted keys) or written as a partial state that the last split CTA to finish
+// merges (epilogue.cuh). Host values that size the launch: token_count, head counts, num_splits
+// and chunk (see decode.cu); none enters a mask.
+//
+// 16-bit caches: K and V fragments come from XOR-swizzled tiles through ldmatrix (.trans for V).
+// 8-bit caches (int8, e4m3): codes stay codes in shared memory and are widened straight into
+// mma fragments in registers (exact: their values are representable in fp16/bf16):
+// - K: the 16 dims of each k-step are permuted so that the 4 codes a lane needs for one B
+//   fragment are 4 consecutive bytes: k-step s of a 64-dim group takes dims 16c + 4s + {0..3} at
+//   mma positions {2c, 2c+1, 2c+8, 2c+9} for quad lane c. The same permutation is applied to the
+//   Q fragments, so Q.K is unchanged; one 16-byte load gives a lane 4 k-steps of one key.
+// - V: lane (n, c) needs, for each output channel it owns, the codes of keys {2c, 2c+1, 2c+8,
+//   2c+9}: it loads D/8 consecutive channels of each of those 4 rows and transposes bytes with
+//   prmt. Output columns are permuted accordingly (column n of n-tile j is channel n*D/8 + j).
+// Both tiles are swizzled in 16-byte chunks so these loads are free of bank conflicts (D=128).
+// The K scale is folded into Q (PER_CHANNEL) or the score scale (PER_TENSOR), the V scale into
+// the epilogue.
 #include "common.cuh"
 #include "epilogue.cuh"
 #include "mma.cuh"
@@ -21,7 +33,16 @@ constexpr int MMA_WARPS = 4;
 constexpr int MMA_ROWS = 16;
 constexpr int KEY_TILE = 64;
 
-template <typename Cache> struct MmaStages { static constexpr int value = Cache::quantized ? 4 : 3; };
+// Pipeline depth and CTAs per SM (mirrored in cupa/kernels/decode.py): 16-bit tiles (32 KB a
+// stage at D=128) fit 3 stages at 2 CTAs per SM; 8-bit tiles (16 KB) fit 3 stages at 4 CTAs per
+// SM (registers capped at 128), or 4 stages at 3 CTAs (CUPA_MMA8_CTAS=3, a tuning knob).
+#ifndef CUPA_MMA8_CTAS
+#define CUPA_MMA8_CTAS 4
+#endif
+template <typename Cache> struct MmaStages {
+  static constexpr int value = Cache::quantized && CUPA_MMA8_CTAS < 4 ? 4 : 3;
+};
+template <typename Cache> struct MmaMinCtas { static constexpr int value = Cache::quantized ? CUPA_MMA8_CTAS : 1; };
 
 template <typename T, typename Cache, int D>
 struct MmaDecodeSmem {
@@ -29,21 +50,54 @@ struct MmaDecodeSmem {
   static constexpr int NST = MmaStages<Cache>::value;
   static constexpr int q_bytes = MMA_ROWS * D * 2;
   static constexpr int stage_bytes = 2 * KEY_TILE * D * (int)sizeof(C);        // K and V tiles as stored
-  static constexpr int wide_bytes = Cache::quantized ? 2 * KEY_TILE * D * 2 : 0; // widened K and V
   static constexpr int rows_bytes = (NST + 1) * KEY_TILE * 8;  // row offsets, one tile ahead
-  static constexpr int combine_bytes = MMA_WARPS * MMA_ROWS * (D + 2) * 4;
-  static constexpr int loop_bytes = q_bytes + NST * stage_bytes + wide_bytes + rows_bytes;
+  static constexpr int combine_bytes = MMA_WARPS * MMA_ROWS * (D + 4) * 4;  // rows padded: fewer bank conflicts
+  static constexpr int loop_bytes = q_bytes + NST * stage_bytes + rows_bytes;
   static constexpr int total = loop_bytes > combine_bytes + q_bytes ? loop_bytes : combine_bytes + q_bytes;
 };
 
+// Byte offset of 16-byte chunk `chunk` of key row `key` in an 8-bit K tile (rows of D bytes).
+// D=128: chunks of odd rows are moved by 4 (64 bytes), so the two keys of an 8-lane phase of a
+// 16-byte load (same chunk range, adjacent rows) use disjoint banks.
+template <int D> CUPA_DEVICE int code_k_offset(int key, int chunk) {
+  return D == 128 ? key * 128 + ((chunk ^ ((key & 1) << 2)) << 4) : key * D + (chunk << 4);
+}
+// Byte offset of 16-byte chunk `chunk` of key row `key` in an 8-bit V tile. An 8-lane phase reads
+// rows {r, r+2, r+4, r+6} x two chunks: D=128 XORs the chunk with key & 6. D=64 stores two rows
+// per 128 bytes (row pair p = key / 2, chunk (key & 1) * 4 + chunk) XORed with 2 * (p & 3).
+template <int D> CUPA_DEVICE int code_v_offset(int key, int chunk) {
+  if (D == 128) return key * 128 + ((chunk ^ (key & 6)) << 4);
+  const int pair = key >> 1;
+  return pair * 128 + (((((key & 1) << 2) | chunk) ^ ((pair & 3) << 1)) << 4);
+}
+
+// cp.async of one 8-bit K/V tile (KEYS rows gathered through `rows`, < 0: zero-filled) into the
+// swizzled layouts above.
+template <typename C, int D, int KEYS, int THREADS>
+CUPA_DEVICE void gather_code_tile(unsigned char* sK, unsigned char* sV, const long long* rows, const C* key_cache,
+                                  const C* value_cache, int tid) {
+  constexpr int CHUNKS_PER_ROW = D / 16;
+  static_assert(KEYS * CHUNKS_PER_ROW % THREADS == 0, "whole copy rounds");
+#pragma unroll
+  for (int i = 0; i < KEYS * CHUNKS_PER_ROW / THREADS; ++i) {
+    const int c = tid + i * THREADS;
+    const int key = c / CHUNKS_PER_ROW, chunk = c % CHUNKS_PER_ROW;
+    const long long row = rows[key];
+    const long long off = row >= 0 ? row + chunk * 16 : 0;
+    const int bytes = row >= 0 ? 16 : 0;
+    cp_async_16(sK + code_k_offset<D>(key, chunk), key_cache + off, bytes);
+    cp_async_16(sV + code_v_offset<D>(key, chunk), value_cache + off, bytes);
+  }
+}
+
 template <typename T, typename Cache, int D>
-__global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
+__global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) paged_decode_mma(
     const T* __restrict__ q,  // (N, H, D): prologue output
     const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
     const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
     const int* __restrict__ query_positions, const T* __restrict__ head_sink,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
-    T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml,
+    T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ counters,
     int num_heads, int kv_num_heads, int batch_size, int num_blocks, int block_size,
     int max_blocks, int chunk, int num_splits, int rotary_max_pos, float scale, float softcap,
     int window, int is_causal, int k_quant, int v_quant) {
@@ -55,11 +109,9 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   unsigned char* stages = smem + L::q_bytes;
-  T* sKw = reinterpret_cast<T*>(stages + NST * L::stage_bytes);  // widened tiles (quantized only)
-  T* sVw = sKw + KEY_TILE * D;
   // Element offset of each key row of a tile in the caches (-1: masked), computed one pipeline
   // step before its copies are issued, so the block-table reads never stall the copy issue.
-  long long* sRows = reinterpret_cast<long long*>(stages + NST * L::stage_bytes + L::wide_bytes);
+  long long* sRows = reinterpret_cast<long long*>(stages + NST * L::stage_bytes);
 
   const int t = blockIdx.x, split = blockIdx.z;
   const int H = num_heads, Hk = kv_num_heads, G = H / Hk;
@@ -73,10 +125,13 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
                                       (long long)max_blocks * block_size, rotary_max_pos);
   int lo = 0, hi = 0;
   if (info.valid) key_range(info, is_causal, window, lo, hi);
+  int s_first, s_last;
+  split_span(lo, hi, chunk, num_splits, s_first, s_last);
+  if (split < s_first || split > s_last) return;  // no admitted key in this split: nothing to merge
+  const bool direct = s_first == s_last;
   lo = max(lo, split * chunk);
   hi = (int)min((long long)hi, (long long)(split + 1) * chunk);
   const int ntiles = hi > lo ? (hi - lo + KEY_TILE - 1) / KEY_TILE : 0;
-  if (num_splits > 1 && ntiles == 0) return;  // the merge skips splits outside the admitted range
 
   // Q rows (K scale folded in per channel), zero rows past the chunk's heads.
   for (int c = tid; c < MMA_ROWS * (D / 8); c += blockDim.x) {
@@ -95,20 +150,31 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
   }
 
   const long long row_stride = (long long)Hk * D;
+  const bool block_pow2 = (block_size & (block_size - 1)) == 0;
+  const int block_shift = __ffs(block_size) - 1;
   // Row offsets of tile `tile` into slot tile % (NST + 1); threads 0..63 take one key each.
   auto find_rows = [&](int tile) {
     if (tid < KEY_TILE) {
       const int k = lo + tile * KEY_TILE + tid;
+      // Shifts for a power-of-two block_size (the usual case), a division otherwise.
+      const int kb = block_pow2 ? k >> block_shift : k / block_size;
+      const int ko = block_pow2 ? k & (block_size - 1) : k - kb * block_size;
       int blk = -1;
-      if (tile < ntiles && k < hi) blk = physical_block(block_table, max_blocks, num_blocks, info.b, k / block_size);
+      if (tile < ntiles && k < hi) blk = physical_block(block_table, max_blocks, num_blocks, info.b, kb);
       sRows[(tile % (NST + 1)) * KEY_TILE + tid] =
-          blk >= 0 ? ((long long)blk * block_size + k % block_size) * row_stride + (long long)g * D : -1;
+          blk >= 0 ? ((long long)blk * block_size + ko) * row_stride + (long long)g * D : -1;
     }
   };
   auto load_tile = [&](int tile) {
-    C* sK = reinterpret_cast<C*>(stages + (tile % NST) * L::stage_bytes);
-    gather_kv_tile<C, Cache::quantized, D, KEY_TILE, MMA_WARPS * 32>(
-        sK, sK + KEY_TILE * D, sRows + (tile % (NST + 1)) * KEY_TILE, key_cache, value_cache, tid);
+    unsigned char* st = stages + (tile % NST) * L::stage_bytes;
+    if constexpr (Cache::quantized) {
+      gather_code_tile<C, D, KEY_TILE, MMA_WARPS * 32>(st, st + KEY_TILE * D, sRows + (tile % (NST + 1)) * KEY_TILE,
+                                                        key_cache, value_cache, tid);
+    } else {
+      C* sK = reinterpret_cast<C*>(st);
+      gather_kv_tile<C, false, D, KEY_TILE, MMA_WARPS * 32>(sK, sK + KEY_TILE * D, sRows + (tile % (NST + 1)) * KEY_TILE,
+                                                            key_cache, value_cache, tid);
+    }
   };
 
 #pragma unroll
@@ -121,8 +187,21 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
   }
 
   unsigned qf[D / 16][4];
+  if constexpr (Cache::quantized) {
+    // Permuted k-steps (see the header): k-step 4h + s holds dims 64h + 16c + 4s + {0,1 | 2,3}.
+    const int r = lane >> 2, c = lane & 3;
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], sQ + swz<D>(lane & 15, kk * 16 + (lane >> 4) * 8));
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int col = (kk >> 2) * 64 + 16 * c + 4 * (kk & 3);
+      qf[kk][0] = *reinterpret_cast<const unsigned*>(sQ + swz<D>(r, col));
+      qf[kk][1] = *reinterpret_cast<const unsigned*>(sQ + swz<D>(r + 8, col));
+      qf[kk][2] = *reinterpret_cast<const unsigned*>(sQ + swz<D>(r, col + 2));
+      qf[kk][3] = *reinterpret_cast<const unsigned*>(sQ + swz<D>(r + 8, col + 2));
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], sQ + swz<D>(lane & 15, kk * 16 + (lane >> 4) * 8));
+  }
 
   const float score_scale = scale * (k_quant == QUANT_PER_TENSOR ? k_scale[0] : 1.0f);
   float o[D / 8][4];
@@ -138,34 +217,35 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
     cp_async_commit();
     if (tile + NST < ntiles) find_rows(tile + NST);  // read after the next barrier
 
-    const T* sK;
-    const T* sV;
-    if constexpr (Cache::quantized) {
-      // Each warp widens only its own 16 key rows, so no CTA-wide barrier is needed here.
-      const C* rK = reinterpret_cast<const C*>(stages + stage * L::stage_bytes);
-      const C* rV = rK + KEY_TILE * D;
-      for (int c = lane; c < 16 * D / 16; c += 32) {
-        const int key = warp * 16 + c / (D / 16), col = (c % (D / 16)) * 16;
-        widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
-        widen16<T, Cache>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
-      }
-      __syncwarp();
-      sK = sKw;
-      sV = sVw;
-    } else {
-      sK = reinterpret_cast<const T*>(stages + stage * L::stage_bytes);
-      sV = sK + KEY_TILE * D;
-    }
-
     // S = Q K^T for this warp's 16 keys.
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    const unsigned char* st = stages + stage * L::stage_bytes;
+    if constexpr (Cache::quantized) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      unsigned b[4];
-      const int mi = lane >> 3;
-      ldmatrix_x4(b, sK + swz<D>(warp * 16 + (mi >> 1) * 8 + (lane & 7), kk * 16 + (mi & 1) * 8));
-      Mma<T>::run(s[0], qf[kk], b[0], b[1]);
-      Mma<T>::run(s[1], qf[kk], b[2], b[3]);
+      for (int j = 0; j < 2; ++j) {
+        const int key = warp * 16 + j * 8 + (lane >> 2);
+#pragma unroll
+        for (int h = 0; h < D / 64; ++h) {
+          const uint4 w = *reinterpret_cast<const uint4*>(st + code_k_offset<D>(key, h * 4 + (lane & 3)));
+          const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+          for (int q4 = 0; q4 < 4; ++q4) {
+            unsigned b0, b1;
+            Widen4<T, Cache>::run(ws[q4], b0, b1);
+            Mma<T>::run(s[j], qf[h * 4 + q4], b0, b1);
+          }
+        }
+      }
+    } else {
+      const T* sK = reinterpret_cast<const T*>(st);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned b[4];
+        const int mi = lane >> 3;
+        ldmatrix_x4(b, sK + swz<D>(warp * 16 + (mi >> 1) * 8 + (lane & 7), kk * 16 + (mi & 1) * 8));
+        Mma<T>::run(s[0], qf[kk], b[0], b[1]);
+        Mma<T>::run(s[1], qf[kk], b[2], b[3]);
+      }
     }
     const long long* valid = sRows + (tile % (NST + 1)) * KEY_TILE + warp * 16;
     float mx0 = CUPA_NEG_INF, mx1 = CUPA_NEG_INF;
@@ -211,13 +291,50 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
     }
     unsigned a[4] = {Mma<T>::pack(p[0][0], p[0][1]), Mma<T>::pack(p[0][2], p[0][3]),
                      Mma<T>::pack(p[1][0], p[1][1]), Mma<T>::pack(p[1][2], p[1][3])};
+    if constexpr (Cache::quantized) {
+      // Lane (n, c): channels n*D/8 .. n*D/8 + D/8 - 1 of keys {2c, 2c+1, 2c+8, 2c+9}, bytes
+      // transposed into (key pair, channel) words, then widened into B fragments.
+      const unsigned char* sVc = st + KEY_TILE * D;
+      constexpr int WORDS = D / 32;  // 4-channel words per row and lane
+      const int c = lane & 3, chunk = (lane >> 2) * (D / 8) / 16, sub = ((lane >> 2) * (D / 8)) % 16;
+      unsigned w[4][WORDS];
 #pragma unroll
-    for (int nn = 0; nn < D / 16; ++nn) {
-      unsigned b[4];
-      const int mi = lane >> 3;
-      ldmatrix_x4_trans(b, sV + swz<D>(warp * 16 + (mi & 1) * 8 + (lane & 7), nn * 16 + (mi >> 1) * 8));
-      Mma<T>::run(o[2 * nn], a, b[0], b[1]);
-      Mma<T>::run(o[2 * nn + 1], a, b[2], b[3]);
+      for (int i = 0; i < 4; ++i) {
+        const int key = warp * 16 + 2 * c + (i & 1) + (i >> 1) * 8;
+        const unsigned char* src = sVc + code_v_offset<D>(key, chunk) + sub;
+        if constexpr (WORDS == 4) {
+          const uint4 v = *reinterpret_cast<const uint4*>(src);
+          w[i][0] = v.x;
+          w[i][1] = v.y;
+          w[i][2] = v.z;
+          w[i][3] = v.w;
+        } else {
+          static_assert(WORDS == 2, "head_size 64 or 128");
+          const uint2 v = *reinterpret_cast<const uint2*>(src);
+          w[i][0] = v.x;
+          w[i][1] = v.y;
+        }
+      }
+#pragma unroll
+      for (int x = 0; x < WORDS; ++x) {
+        unsigned b0[4], b1[4];  // per channel 4x + e: keys (2c, 2c+1) and (2c+8, 2c+9)
+        Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x5140), b0[0], b0[1]);
+        Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x7362), b0[2], b0[3]);
+        Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x5140), b1[0], b1[1]);
+        Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x7362), b1[2], b1[3]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) Mma<T>::run(o[4 * x + e], a, b0[e], b1[e]);
+      }
+    } else {
+      const T* sV = reinterpret_cast<const T*>(st) + KEY_TILE * D;
+#pragma unroll
+      for (int nn = 0; nn < D / 16; ++nn) {
+        unsigned b[4];
+        const int mi = lane >> 3;
+        ldmatrix_x4_trans(b, sV + swz<D>(warp * 16 + (mi & 1) * 8 + (lane & 7), nn * 16 + (mi >> 1) * 8));
+        Mma<T>::run(o[2 * nn], a, b[0], b[1]);
+        Mma<T>::run(o[2 * nn + 1], a, b[2], b[3]);
+      }
     }
   }
   cp_async_wait<0>();
@@ -240,16 +357,22 @@ __global__ void __launch_bounds__(MMA_WARPS * 32) paged_decode_mma(
   }
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
-    const int d = n * 8 + (lane & 3) * 2;
-    float* row0 = co + (warp * MMA_ROWS + r0) * D;
-    float* row1 = co + (warp * MMA_ROWS + r0 + 8) * D;
-    row0[d] = o[n][0];
-    row0[d + 1] = o[n][1];
-    row1[d] = o[n][2];
-    row1[d + 1] = o[n][3];
+    // Column k of n-tile n is channel n*8 + k (16-bit caches) or k*D/8 + n (8-bit caches).
+    const int k = (lane & 3) * 2;
+    const int d0 = Cache::quantized ? k * (D / 8) + n : n * 8 + k;
+    const int d1 = Cache::quantized ? d0 + D / 8 : d0 + 1;
+    float* row0 = co + (warp * MMA_ROWS + r0) * (D + 4);
+    float* row1 = co + (warp * MMA_ROWS + r0 + 8) * (D + 4);
+    row0[d0] = o[n][0];
+    row0[d1] = o[n][1];
+    row1[d0] = o[n][2];
+    row1[d1] = o[n][3];
   }
   __syncthreads();
 
-  store_rows<T>(cm, cl, co, MMA_WARPS, MMA_ROWS, D, nh, D, t, h0, H, g, split, num_splits, head_sink, v_scale,
-                v_quant, out, part_o, part_ml);
+  store_rows<T>(cm, cl, co, MMA_WARPS, MMA_ROWS, D + 4, nh, D, t, h0, H, g, split, num_splits, direct, head_sink,
+                v_scale, v_quant, out, part_o, part_ml);
+  if (!direct)
+    merge_splits_if_last<T>(counters + (long long)t * gridDim.y + blockIdx.y, reinterpret_cast<int*>(sRows), s_first,
+                            s_last, nh, D, t, h0, H, g, num_splits, head_sink, v_scale, v_quant, out, part_o, part_ml);
 }

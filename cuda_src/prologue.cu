@@ -4,7 +4,8 @@
 // memory as floats, QK-normed and rotated (Q and K rows), rounded to T, then Q goes to the
 // (N, H, D) workspace the attention kernels read, and K/V are encoded into their cache slot.
 // Reads: query/key/value, cum, past_seqlens, block_table or slot_mapping, rotary and norm
-// inputs, scales. Writes: the Q workspace and the cache rows of valid tokens. The launch is
+// inputs, scales. Writes: the Q workspace, the cache rows of valid tokens, and zeros into the
+// decode kernel's split counters when given. The launch is
 // sized by token_count alone; no host value enters a mask.
 #include "common.cuh"
 #include "paged.cuh"
@@ -19,7 +20,7 @@ __global__ void __launch_bounds__(128) paged_prologue(
     const T* __restrict__ cos_cache, const T* __restrict__ sin_cache, const int* __restrict__ slot_mapping,
     const T* __restrict__ q_norm_weight, const T* __restrict__ k_norm_weight,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, const int* __restrict__ query_positions,
-    T* __restrict__ q_out,
+    T* __restrict__ q_out, int* __restrict__ split_counters, int counters_per_token,
     int num_heads, int kv_num_heads, int head_size, int batch_size, int num_blocks, int block_size,
     int max_blocks, int packed, int has_value, int rotary_dim, int rotary_max_pos, int rotary_offset,
     int rotary_interleaved, float qk_norm_epsilon, int k_quant, int v_quant) {
@@ -27,6 +28,9 @@ __global__ void __launch_bounds__(128) paged_prologue(
   const int t = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
   float* row = row_smem + warp * head_size;
+  // Zero the decode kernel's split-arrival counters of this token (null for the other backends).
+  if (split_counters && blockIdx.y == 0)
+    for (int i = threadIdx.x; i < counters_per_token; i += blockDim.x) split_counters[(long long)t * counters_per_token + i] = 0;
 
   const TokenInfo info = locate_token(t, cum, past, batch_size, query_positions,
                                       (long long)max_blocks * block_size, rotary_dim > 0 ? rotary_max_pos : 0);

@@ -107,22 +107,22 @@ class _FakeCupy:
 def test_jit_refuses_to_compile_inside_a_capture(monkeypatch, no_scope):
     fake = _FakeCupy()
     monkeypatch.setattr(jit, "_cupy_module", lambda: fake)
-    spec = jit.Specialization("decode", "paged_decode_merge<float>", options=("-DCUPA_TEST_GRAPH_GUARD=1",))
+    spec = jit.Specialization("decode", "paged_decode<float, CacheSame<float>, 1>", options=("-DCUPA_TEST_GRAPH_GUARD=1",))
     monkeypatch.delitem(jit._modules, (spec, 0), raising=False)
     graphs._local.scope, graphs._active = graphs.CaptureScope(), 1
     with pytest.raises(graphs.GraphCaptureError, match="warm") as info:
         jit.get_kernel(spec)
-    assert "paged_decode_merge<float>" in str(info.value)
+    assert "paged_decode<float, CacheSame<float>, 1>" in str(info.value)
     assert fake.compiled == [], "the guard must refuse before NVRTC runs"
     assert (spec, 0) not in jit._modules
     # Outside a capture the same call compiles (through the fake) and memoizes.
     graphs._local.scope, graphs._active = None, 0
     try:
-        assert jit.get_kernel(spec) == ("kernel", "paged_decode_merge<float>")
+        assert jit.get_kernel(spec) == ("kernel", "paged_decode<float, CacheSame<float>, 1>")
         assert len(fake.compiled) == 1
         # A memoized kernel is free inside a capture: no guard on the hit path.
         graphs._local.scope, graphs._active = graphs.CaptureScope(), 1
-        assert jit.get_kernel(spec) == ("kernel", "paged_decode_merge<float>")
+        assert jit.get_kernel(spec) == ("kernel", "paged_decode<float, CacheSame<float>, 1>")
     finally:
         jit._modules.pop((spec, 0), None)
 

@@ -479,7 +479,7 @@ def test_compile_inside_capture_is_refused(cp, rng):
 
 
 def test_jit_guard_sees_raw_captures_and_scopes(cp):
-    fresh = jit.Specialization("decode", "paged_decode_merge<float>", options=("-DCUPA_TEST_GRAPH_GUARD=2",))
+    fresh = jit.Specialization("decode", "paged_decode<float, CacheSame<float>, 1>", options=("-DCUPA_TEST_GRAPH_GUARD=2",))
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()

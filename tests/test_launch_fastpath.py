@@ -384,7 +384,7 @@ def _run(fake, case, *, out=False, md=None, calls=1, backend=None):
     return x, o, results
 
 
-_OURS = ("paged_prologue", "paged_decode", "paged_decode_mma", "paged_decode_merge")
+_OURS = ("paged_prologue", "paged_decode", "paged_decode_mma")
 
 
 # -- CPU tests ---------------------------------------------------------------------------------------------
@@ -420,8 +420,8 @@ def test_one_workspace_allocation_per_call_and_kernels_per_call():
         op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
         op(**x, out=o)
         names = [launch_[1] for launch_ in fake.launches]
-        assert names == ["paged_prologue", "paged_decode_mma", "paged_decode_merge"]
-        assert len(fake.allocations) == 1, "q workspace and split partials come from one allocation"
+        assert names == ["paged_prologue", "paged_decode_mma"]  # the last split CTA merges
+        assert len(fake.allocations) == 1, "q workspace, split partials and counters come from one allocation"
         fake.launches.clear(), fake.allocations.clear()
         op(**x)                                          # no out=: the output is a second allocation
         assert len(fake.allocations) == 2
@@ -431,18 +431,18 @@ def test_workspace_carving_is_aligned_and_disjoint():
     fake = FakeCupy()
     with fake_cupy(fake):
         _run(fake, "decode_b8_long_split", out=True)
-        pro, dec, merge = fake.launches
-        q_ws = int.from_bytes(pro[-1][16], "little")
+        pro, dec = fake.launches
+        q_ws, pro_counters = (int.from_bytes(pro[-1][i], "little") for i in (16, 17))
         assert int.from_bytes(dec[-1][0], "little") == q_ws
-        part_o, part_ml = (int.from_bytes(dec[-1][i], "little") for i in (11, 12))
-        assert int.from_bytes(merge[-1][0], "little") == part_o
-        assert int.from_bytes(merge[-1][1], "little") == part_ml
-        assert q_ws % 256 == part_o % 256 == part_ml % 256 == 0
-        N, H, D = 8, 32, 128
+        part_o, part_ml, counters = (int.from_bytes(dec[-1][i], "little") for i in (11, 12, 13))
+        assert pro_counters == counters, "the prologue zeroes the counters the decode kernel counts on"
+        assert q_ws % 256 == part_o % 256 == part_ml % 256 == counters % 256 == 0
+        N, H, Hk, D = 8, 32, 8, 128
         splits = dec[2][2]
         assert splits > 1
         assert part_o >= q_ws + N * H * D * 2 and part_ml >= part_o + N * H * splits * D * 4
-        assert fake.allocations[-1] >= part_ml - q_ws + N * H * splits * 8
+        assert counters >= part_ml + N * H * splits * 8
+        assert fake.allocations[-1] >= counters - q_ws + N * Hk * 4
 
 
 def test_workspaces_are_kept_alive_inside_a_capture_scope():
@@ -467,7 +467,7 @@ def test_recipe_is_built_once_per_problem_and_device():
     fake = FakeCupy(device_count=2)
     with fake_cupy(fake):
         x, o, _ = _run(fake, "decode_b8_long_split", out=True, calls=3)
-        assert len(fake.compiled) == 3                  # prologue, decode, merge: once each
+        assert len(fake.compiled) == 2                  # prologue, decode: once each
         op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
         problem = op.plan(**x)[0]
         op(**x, out=o)
@@ -481,7 +481,7 @@ def test_recipe_is_built_once_per_problem_and_device():
             o1 = fake.empty(o.shape, o.dtype)
         op(**x1, out=o1)
         assert sorted(recipes) == [0, 1] and recipes[0] is first
-        assert len(fake.compiled) == 6
+        assert len(fake.compiled) == 4
         assert pickle.loads(pickle.dumps(problem)) == problem   # the recipes stay out of a pickle
 
 
@@ -517,7 +517,7 @@ def test_threads_get_their_own_parameter_buffers():
         for t in threads:
             t.join()
         assert not errors
-        assert len(fake.launches) == 4 * 25 * 3
+        assert len(fake.launches) == 4 * 25 * 2
         for launch_ in fake.launches:
             owners = {owner[v] for v in (int.from_bytes(b, "little") for b in launch_[-1] if len(b) == 8)
                       if v in owner}

@@ -1,4 +1,4 @@
-"""The paged flash-decoding backend: prologue, split-KV attention over pages, fp32 merge.
+"""The paged flash-decoding backend: prologue, split-KV attention over pages with an fp32 merge of the splits.
 
 Split layout (SPEC 4.5): keys are cut at absolute positions that are multiples of ``chunk``,
 a value drawn only from static sizes (block_table capacity, token and head counts, the SM
@@ -20,12 +20,13 @@ from .prologue import POINTER_INPUTS, prologue_launcher
 from .types import f32, i32
 
 DECODE_THREADS = 128
-MERGE_THREADS = 128
 MIN_CHUNK = 256
 # CTAs per SM the split plan aims for over the static capacity (a tuning knob for benchmarks).
 CTAS_PER_SM_TARGET = int(os.environ.get("CUPA_DECODE_CTAS_PER_SM", "4"))
 
 
+# CTAs per SM of the tensor-core kernel on 8-bit caches: 4 (3 stages, 128 registers) or 3 (4 stages).
+MMA8_CTAS = int(os.environ.get("CUPA_DECODE_MMA8_CTAS", "4"))
 MMA_ROWS = 16  # query heads per tensor-core CTA (the m16n8k16 tile's rows)
 MMA_HEAD_SIZES = (64, 128)
 
@@ -43,10 +44,10 @@ def mma_shared_bytes(problem: Problem) -> int:
     """Dynamic shared memory of paged_decode_mma (mirrors MmaDecodeSmem in decode_mma.cu)."""
     D, quant = problem.head_size, problem.quantized
     code = 1 if quant else 2
-    stages = 4 if quant else 3
+    stages = 4 if quant and MMA8_CTAS < 4 else 3
     q_bytes = MMA_ROWS * D * 2
-    loop = q_bytes + stages * 2 * 64 * D * code + (2 * 64 * D * 2 if quant else 0) + (stages + 1) * 64 * 8
-    combine = 4 * MMA_ROWS * (D + 2) * 4
+    loop = q_bytes + stages * 2 * 64 * D * code + (stages + 1) * 64 * 8
+    combine = 4 * MMA_ROWS * (D + 4) * 4
     return max(loop, combine + q_bytes)
 
 
@@ -104,9 +105,9 @@ class DecodeBackend:
             ws = launch.workspace(r.nbytes)  # Q workspace and split partials: one allocation, kept alive
             base = ws.ptr
             if r.split:
-                ptrs = call.ptrs + [base, call.output.data.ptr, base + r.part_o, base + r.part_ml]
+                ptrs = call.ptrs + [base, call.output.data.ptr, base + r.part_o, base + r.part_ml, base + r.counters]
             else:
-                ptrs = call.ptrs + [base, call.output.data.ptr, 0, 0]
+                ptrs = call.ptrs + [base, call.output.data.ptr, 0, 0, 0]
             r.launches(ptrs, call.stream.ptr)
         return call.finish()
 
@@ -119,15 +120,17 @@ class DecodeBackend:
         chunk, num_splits, gt = split_plan(p, call.sm_count)
         head_chunks = math.ceil(p.group_size / gt)
         r = _Recipe()
-        prologue = prologue_launcher(p)
+        counters_per_token = p.kv_num_heads * head_chunks if num_splits > 1 else 0
+        prologue = prologue_launcher(p, counters_per_token)
         q_bytes = p.token_count * p.num_heads * p.head_size * call.dev["query"].dtype.itemsize
         r.nbytes = launch.align(q_bytes)
-        r.part_o = r.part_ml = 0
+        r.part_o = r.part_ml = r.counters = 0
         if num_splits > 1:
             rows = p.token_count * p.num_heads * num_splits
             r.part_o = r.nbytes
             r.part_ml = r.part_o + launch.align(rows * p.head_size * 4)      # float part_o[rows][D]
-            r.nbytes = r.part_ml + launch.align(rows * 2 * 4)                # float2 part_ml[rows]
+            r.counters = r.part_ml + launch.align(rows * 2 * 4)              # float2 part_ml[rows]
+            r.nbytes = r.counters + launch.align(p.token_count * counters_per_token * 4)  # int counters
         common = (POINTER,) * len(_DECODE_POINTERS) + (i32(p.num_heads), i32(p.kv_num_heads))
         tail = (
             i32(p.batch_size), i32(p.num_blocks), i32(p.block_size), i32(p.max_blocks_per_seq), i32(chunk),
@@ -136,48 +139,39 @@ class DecodeBackend:
             i32(types.QUANT_CODE[p.v_quant]))
         grid = (p.token_count, p.kv_num_heads * head_chunks, num_splits)
         if uses_mma(p):
-            kernel = jit.get_kernel(registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size))
+            spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size)
+            if p.quantized and MMA8_CTAS != 4:
+                spec = jit.Specialization(spec.family, spec.name_expression, (f"-DCUPA_MMA8_CTAS={MMA8_CTAS}",))
+            kernel = jit.get_kernel(spec)
             shared = mma_shared_bytes(p)
             launch.ensure_shared_memory(kernel, shared)
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + tail, shared_mem=shared)
         else:
             kernel = jit.get_kernel(registry.decode_spec(p.dtype, p.cache_kind, gt))
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + (i32(p.head_size),) + tail)
-        steps = [(prologue, _PROLOGUE_POINTERS), (decode, _DECODE_POINTERS)]
         r.split = num_splits > 1
-        if r.split:
-            merge = launch.Launcher(
-                jit.get_kernel(registry.merge_spec(p.dtype)), (p.token_count, p.num_heads), (MERGE_THREADS,),
-                (POINTER,) * len(_MERGE_POINTERS) + (
-                    i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.batch_size),
-                    i32(p.max_blocks_per_seq), i32(p.block_size), i32(p.rotary_max_pos if p.rotary_dim else 0),
-                    i32(a.is_causal), i32(a.local_window_size), i32(chunk), i32(num_splits),
-                    i32(types.QUANT_CODE[p.v_quant])))
-            steps.append((merge, _MERGE_POINTERS))
-        r.launches = launch.Sequence(steps, _NPOINTERS)
+        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (decode, _DECODE_POINTERS)], _NPOINTERS)
         return r
 
 
 class _Recipe:
-    """The launches of one problem on one device (prologue, decode, and merge when ``split``) and the
-    workspace layout: ``nbytes`` in all, Q first, split partials at byte offsets ``part_o``, ``part_ml``."""
+    """The launches of one problem on one device (prologue, then decode, whose last split CTA of each
+    token merges the splits) and the workspace layout: ``nbytes`` in all, Q first, then (``split``) the
+    split partials and arrival counters at byte offsets ``part_o``, ``part_ml``, ``counters``."""
 
-    __slots__ = ("launches", "split", "nbytes", "part_o", "part_ml")
+    __slots__ = ("launches", "split", "nbytes", "part_o", "part_ml", "counters")
 
 
-# Pointer arguments, as positions in Call.ptrs extended by [q workspace, output, part_o, part_ml].
-_Q_WS, _OUT, _PART_O, _PART_ML = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 4)
-_NPOINTERS = len(launch.PTR_INDEX) + 4
+# Pointer arguments, as positions in Call.ptrs extended by [q workspace, output, part_o, part_ml, counters].
+_Q_WS, _OUT, _PART_O, _PART_ML, _COUNTERS = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 5)
+_NPOINTERS = len(launch.PTR_INDEX) + 5
 _I = launch.PTR_INDEX
-_PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS,)
+_PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS, _COUNTERS)
 # paged_decode / paged_decode_mma: q, key_cache, value_cache, cum, past, block_table, query_positions,
-# head_sink, k_scale, v_scale, out, part_o, part_ml
+# head_sink, k_scale, v_scale, out, part_o, part_ml, counters
 _DECODE_POINTERS = (_Q_WS, _I["key_cache"], _I["value_cache"], _I["cumulative_sequence_length"],
                     _I["past_seqlens"], _I["block_table"], _I["query_positions"], _I["head_sink"], _I["k_scale"],
-                    _I["v_scale"], _OUT, _PART_O, _PART_ML)
-# paged_decode_merge: part_o, part_ml, head_sink, v_scale, out, cum, past, query_positions
-_MERGE_POINTERS = (_PART_O, _PART_ML, _I["head_sink"], _I["v_scale"], _OUT, _I["cumulative_sequence_length"],
-                   _I["past_seqlens"], _I["query_positions"])
+                    _I["v_scale"], _OUT, _PART_O, _PART_ML, _COUNTERS)
 _RECIPES = "_cupa_decode_recipes"
 
 

@@ -16,15 +16,16 @@ POINTER_INPUTS = ("query", "key", "value", "key_cache", "value_cache", "cumulati
                   "k_norm_weight", "k_scale", "v_scale", "query_positions")
 
 
-def prologue_launcher(problem: Problem) -> launch.Launcher:
+def prologue_launcher(problem: Problem, counters_per_token: int = 0) -> launch.Launcher:
     """The prologue launch of ``problem`` on the current device: pointers are :data:`POINTER_INPUTS`
-    (0 for an absent input) followed by the Q workspace (N, H, D) of T."""
+    (0 for an absent input) followed by the Q workspace (N, H, D) of T and the decode kernel's
+    split counters (``counters_per_token`` int32 per token, zeroed by the prologue; 0: none)."""
     p, a = problem, problem.attrs
     kernel = jit.get_kernel(registry.prologue_spec(p.dtype, p.cache_kind))
     shared = (PROLOGUE_THREADS // 32) * p.head_size * 4
     rows = p.num_heads + p.kv_num_heads * (1 if p.latent else 2)
-    args = (POINTER,) * (len(POINTER_INPUTS) + 1) + (
-        i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.batch_size), i32(p.num_blocks),
+    args = (POINTER,) * (len(POINTER_INPUTS) + 2) + (
+        i32(counters_per_token), i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.batch_size), i32(p.num_blocks),
         i32(p.block_size), i32(p.max_blocks_per_seq), i32(p.packed_qkv), i32(not p.latent),
         i32(p.rotary_dim), i32(p.rotary_max_pos), i32(a.rotary_offset), i32(a.rotary_interleaved),
         f32(a.qk_norm_epsilon), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant]))
@@ -46,4 +47,5 @@ def launch_prologue(problem: Problem, dev: dict, q_workspace) -> None:
         launcher = memo[device] = prologue_launcher(problem)
     ptrs = [0 if dev.get(n) is None else dev[n].data.ptr for n in POINTER_INPUTS]
     ptrs.append(q_workspace if isinstance(q_workspace, int) else q_workspace.data.ptr)
+    ptrs.append(0)  # no split counters
     launcher(ptrs, cp.cuda.get_current_stream().ptr)

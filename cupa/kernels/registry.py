@@ -30,17 +30,12 @@ def prefill_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
         "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
 
 
-def merge_spec(dtype: str) -> Specialization:
-    return Specialization("decode", f"paged_decode_merge<{types.act(dtype)}>")
-
-
 def all_specializations() -> list:
     specs = []
     for dtype in types.ACT_CXX:
         for kind in types.CACHE_CXX:
             specs.append(prologue_spec(dtype, kind))
             specs.extend(decode_spec(dtype, kind, gt) for gt in types.HEAD_CHUNKS)
-        specs.append(merge_spec(dtype))
     from .decode import MMA_HEAD_SIZES
 
     for dtype in ("float16", "bfloat16"):
