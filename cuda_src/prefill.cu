@@ -33,13 +33,15 @@
 // (shared memory and registers sized for it; dynamic shared memory within the 163 KB an sm_80 CTA
 // may use). Q_IN_REGS: Q fragments stay in registers for the whole key loop; otherwise they are
 // reloaded from shared memory at each step, leaving the registers to the fp32 accumulators.
+// D=128 uses 64-key tiles with 2 stages (2 CTAs/SM within 228 KB; 100 KB also fits an sm_86/89
+// CTA): per-tile costs (barrier, copy issue, row lookups, mask test) amortize over twice the MMAs.
 template <int D> struct PrefillConfig;
 template <> struct PrefillConfig<64> {
   static constexpr int WARPS = 4, M_TILES = 2, KEYS = 64, STAGES = 3, MIN_CTAS = 2;
   static constexpr bool Q_IN_REGS = true;
 };
 template <> struct PrefillConfig<128> {
-  static constexpr int WARPS = 4, M_TILES = 2, KEYS = 32, STAGES = 3, MIN_CTAS = 2;
+  static constexpr int WARPS = 4, M_TILES = 2, KEYS = 64, STAGES = 2, MIN_CTAS = 2;
   static constexpr bool Q_IN_REGS = false;
 };
 template <> struct PrefillConfig<256> {
@@ -49,6 +51,42 @@ template <> struct PrefillConfig<256> {
 
 constexpr int RANGE_NONE_LO = 0x7fffffff;  // neutral elements of min/max over empty key ranges
 constexpr int RANGE_NONE_HI = -0x7fffffff - 1;
+#define CUPA_LOG2E 1.4426950408889634f
+#define CUPA_LN2 0.6931471805599453f
+
+// n / d for 0 <= n < 2^31 and a run-time d >= 1 without a division: q = (umulhi(n, mul) + n) >> shift
+// with shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1 (exact in that range).
+struct FastDiv {
+  unsigned mul, shift;
+  CUPA_DEVICE explicit FastDiv(int d) {
+    unsigned s = 0;
+    while ((1ull << s) < (unsigned long long)d) ++s;
+    shift = s;
+    mul = (unsigned)(((1ull << 32) * ((1ull << s) - (unsigned long long)d)) / (unsigned long long)d + 1ull);
+  }
+  CUPA_DEVICE int div(int n) const { return (int)((__umulhi((unsigned)n, mul) + (unsigned)n) >> shift); }
+};
+
+// 2^x in one MUFU (ex2.approx.ftz: exp2(-inf) = 0).
+CUPA_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// cp.async and ldmatrix on shared-space addresses (no generic-to-shared conversion per use).
+// copy == 0: the 16 bytes are zero-filled and the source is not read (ignore-src).
+CUPA_DEVICE void cp_async_16_to(unsigned saddr, const void* gmem, int copy) {
+  asm volatile("{\n .reg .pred p;\n setp.eq.s32 p, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n"
+               ::"r"(saddr), "l"(gmem), "r"(copy));
+}
+CUPA_DEVICE void ldsm_x4(unsigned (&r)[4], unsigned saddr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));
+}
+CUPA_DEVICE void ldsm_x4_trans(unsigned (&r)[4], unsigned saddr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));
+}
 
 template <typename T, typename Cache, int D>
 struct PrefillSmem {
@@ -60,9 +98,13 @@ struct PrefillSmem {
   static constexpr int q_bytes = ROWS * D * 2;                                   // Q tile, then the output tile
   static constexpr int stage_bytes = 2 * KEYS * D * (int)sizeof(C);               // K and V tiles as stored
   static constexpr int wide_bytes = Cache::quantized ? 2 * KEYS * D * 2 : 0;      // widened K and V
-  static constexpr int rows_bytes = (NST + 1) * KEYS * 8;                         // row offsets, one tile ahead
+  static constexpr int rows_bytes = (NST + 1) * KEYS * 8;                         // row byte offsets, one tile ahead
+  static constexpr int bytes_bytes = (NST + 1) * KEYS * 4;                        // copy sizes (16 or 0: masked)
   static constexpr int mapped_bytes = (NST + 1) * (KEYS / 32) * 4;                // mapped-key bit masks
-  static constexpr int total = q_bytes + NST * stage_bytes + wide_bytes + rows_bytes + mapped_bytes;
+  static constexpr int align_pad = 128;  // the dynamic region is rounded up to a 128-byte boundary
+  static constexpr int total = q_bytes + NST * stage_bytes + wide_bytes + rows_bytes + bytes_bytes + mapped_bytes +
+                               align_pad;
+  static_assert(total <= 163 * 1024, "an sm_80 CTA's dynamic shared memory");
 };
 
 // The first packed token whose owner (find_owner in paged.cuh) is >= b, clamped to [0, N].
@@ -169,7 +211,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     return;
   }
 
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((128u - (smem_addr(smem_raw) & 127u)) & 127u);
   __shared__ int sTok[ROWS];  // packed token of each row, -1: not this CTA's row
   __shared__ int sLo[ROWS], sHi[ROWS];  // admitted key range of each row (empty: zero output)
   __shared__ int sRangeLo[WARPS], sRangeHi[WARPS];
@@ -178,7 +221,9 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   T* sKw = reinterpret_cast<T*>(stages + NST * L::stage_bytes);  // widened tiles (quantized only)
   T* sVw = sKw + KEYS * D;
   long long* sRows = reinterpret_cast<long long*>(stages + NST * L::stage_bytes + L::wide_bytes);
-  unsigned* sMapped = reinterpret_cast<unsigned*>(sRows + (NST + 1) * KEYS);
+  int* sBytes = reinterpret_cast<int*>(sRows + (NST + 1) * KEYS);
+  unsigned* sMapped = reinterpret_cast<unsigned*>(sBytes + (NST + 1) * KEYS);
+  const unsigned sQ_a = smem_addr(sQ), stages_a = smem_addr(stages), sKw_a = smem_addr(sKw);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int H = num_heads, Hk = kv_num_heads, G = H / Hk;
@@ -249,34 +294,62 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     store8(sQ + swz<D>(r, col), v);
   }
 
-  const long long row_stride = (long long)Hk * D;
-  // Row offsets of key tile `kt` into slot kt % (NST + 1), and its mapped-key bit mask.
-  auto find_rows = [&](int kt) {
+  const long long row_stride_bytes = (long long)Hk * D * (long long)sizeof(C);
+  const long long head_bytes = (long long)g * D * (long long)sizeof(C);
+  const FastDiv block_div(block_size);
+  // Byte offsets of the rows of key tile `kt` into rows slot `rs` (0 for masked keys, whose copies
+  // are zero-filled: sBytes 0), and the tile's mapped-key bit mask.
+  auto find_rows = [&](int kt, int rs) {
     if (tid < KEYS) {
-      int blk = -1, k = 0;
+      int blk = -1, k = 0, in_block = 0;
       if (kt < ntiles) {
         k = klo + kt * KEYS + tid;
-        if (k < khi) blk = physical_block(block_table, max_blocks, num_blocks, b, k / block_size);
+        if (k < khi) {
+          const int index = block_div.div(k);
+          in_block = k - index * block_size;
+          blk = physical_block(block_table, max_blocks, num_blocks, b, index);
+        }
       }
-      const int slot = kt % (NST + 1);
-      sRows[slot * KEYS + tid] =
-          blk >= 0 ? ((long long)blk * block_size + k % block_size) * row_stride + (long long)g * D : -1;
+      sRows[rs * KEYS + tid] = blk >= 0 ? ((long long)blk * block_size + in_block) * row_stride_bytes + head_bytes : 0;
+      sBytes[rs * KEYS + tid] = blk >= 0 ? 16 : 0;
       const unsigned mapped = __ballot_sync(0xffffffffu, blk >= 0);
-      if (lane == 0) sMapped[slot * MASK_WORDS + warp] = mapped;
+      if (lane == 0) sMapped[rs * MASK_WORDS + warp] = mapped;
     }
   };
-  auto load_tile = [&](int kt) {
-    C* sK = reinterpret_cast<C*>(stages + (kt % NST) * L::stage_bytes);
-    gather_kv_tile<C, Cache::quantized, D, KEYS, THREADS>(sK, sK + KEYS * D, sRows + (kt % (NST + 1)) * KEYS,
-                                                          key_cache, value_cache, tid);
+  // cp.async of key tile into stage `st` from rows slot `rs`: a thread always copies the same
+  // 16-byte column of rows key0, key0 + KSTEP, ..., so its swizzled destination is one offset.
+  constexpr int CHUNKS_PER_ROW = D * (int)sizeof(C) / 16, KSTEP = THREADS / CHUNKS_PER_ROW;
+  static_assert(THREADS % CHUNKS_PER_ROW == 0 && KEYS % KSTEP == 0, "whole copy rounds");
+  static_assert(Cache::quantized || KSTEP % 8 == 0, "one swizzle phase per thread");
+  const int copy_key0 = tid / CHUNKS_PER_ROW, copy_col = (tid % CHUNKS_PER_ROW) * 16;  // bytes
+  const unsigned copy_dst = Cache::quantized ? (unsigned)(copy_key0 * D + copy_col)
+                                             : (unsigned)(2 * swz<D>(copy_key0, copy_col / 2));
+  const unsigned char* k_src = reinterpret_cast<const unsigned char*>(key_cache) + copy_col;
+  const unsigned char* v_src = reinterpret_cast<const unsigned char*>(value_cache) + copy_col;
+  auto load_tile = [&](int st, int rs) {
+    const unsigned dK = stages_a + st * L::stage_bytes + copy_dst;
+    const long long* rows = sRows + rs * KEYS + copy_key0;
+    const int* bytes = sBytes + rs * KEYS + copy_key0;
+    long long off[KEYS / KSTEP];
+    int n[KEYS / KSTEP];
+#pragma unroll
+    for (int i = 0; i < KEYS / KSTEP; ++i) {
+      off[i] = rows[i * KSTEP];
+      n[i] = bytes[i * KSTEP];
+    }
+#pragma unroll
+    for (int i = 0; i < KEYS / KSTEP; ++i) {
+      cp_async_16_to(dK + i * KSTEP * D * (int)sizeof(C), k_src + off[i], n[i]);
+      cp_async_16_to(dK + KEYS * D * (int)sizeof(C) + i * KSTEP * D * (int)sizeof(C), v_src + off[i], n[i]);
+    }
   };
 
 #pragma unroll
-  for (int s = 0; s < NST; ++s) find_rows(s);
+  for (int s = 0; s < NST; ++s) find_rows(s, s);
   __syncthreads();  // sQ, row offsets of the first NST tiles
 #pragma unroll
   for (int s = 0; s < NST - 1; ++s) {
-    if (s < ntiles) load_tile(s);
+    if (s < ntiles) load_tile(s, s);
     cp_async_commit();
   }
 
@@ -302,10 +375,20 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   wlo_max = __reduce_max_sync(0xffffffffu, wlo_max);
   whi_min = __reduce_min_sync(0xffffffffu, whi_min);
 
-  // A fragments of Q: rows warp_row0 + m*16 + (lane & 15), columns kk*16 + (lane / 16)*8.
-  auto load_q = [&](unsigned (&frag)[4], int m, int kk) {
-    ldmatrix_x4(frag, sQ + swz<D>(warp_row0 + m * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
-  };
+  // ldmatrix addresses. Every tile starts on a 128-byte boundary and a row is a multiple of 128
+  // bytes, so a row's swizzled chunk (c ^ row%8) sits in address bits 4..6: a lane's address for
+  // 16-column step kk is (lane base ^ ((kk & 3) << 5)) + (kk >> 2) * 128, with the lane's row, its
+  // chunk parity and row%8 in the base (c = 2*kk + parity, so c ^ r == 2*kk ^ (parity ^ r)).
+  constexpr int ROW_BYTES = 2 * D;
+  const int mi = lane >> 3, l7 = lane & 7;
+  // Q (A operand): rows warp_row0 + m*16 + (lane & 15), chunk 2*kk + lane / 16.
+  const unsigned q_lane = sQ_a + (warp_row0 + (lane & 15)) * ROW_BYTES + ((((lane >> 4) ^ l7)) << 4);
+  // K (B operand of S): rows j2*16 + (mi / 2)*8 + lane % 8, chunk 2*kk + mi % 2.
+  const unsigned k_lane = ((mi >> 1) * 8 + l7) * ROW_BYTES + (((mi & 1) ^ l7) << 4);
+  // V (B operand of O, transposed): rows j2*16 + (mi % 2)*8 + lane % 8, chunk 2*nn + mi / 2.
+  const unsigned v_lane = ((mi & 1) * 8 + l7) * ROW_BYTES + (((mi >> 1) ^ l7) << 4);
+  auto step_addr = [](unsigned base, int kk) { return (base ^ (unsigned)((kk & 3) << 5)) + (unsigned)((kk >> 2) * 128); };
+  auto load_q = [&](unsigned (&frag)[4], int m, int kk) { ldsm_x4(frag, step_addr(q_lane, kk) + m * 16 * ROW_BYTES); };
   unsigned qf[Cfg::Q_IN_REGS ? MT : 1][Cfg::Q_IN_REGS ? D / 16 : 1][4];
   if constexpr (Cfg::Q_IN_REGS) {
 #pragma unroll
@@ -315,31 +398,36 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     }
   }
 
+  // Scores go to the log2 domain for ex2. The common case (no softcap, positive scale) folds
+  // scale*log2(e) into the exponent's FFMA and takes the row max over raw scores; otherwise the
+  // scores are transformed first (mul = 1).
   const float score_scale = scale * (k_quant == QUANT_PER_TENSOR ? k_scale[0] : 1.0f);
+  const float scale_log2 = score_scale * CUPA_LOG2E;
+  const bool fold = !(softcap > 0.0f) && scale_log2 > 0.0f;
+  const float mul = fold ? scale_log2 : 1.0f;
+  const float inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
   float o[MT][D / 8][4];
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) o[m][n][0] = o[m][n][1] = o[m][n][2] = o[m][n][3] = 0.0f;
   }
-  float row_max[R], row_sum[R];  // online-softmax state; row_sum is this lane's share of the row
+  float row_max[R], row_sum[R];  // online-softmax state (log2 domain); row_sum is this lane's share
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     row_max[i] = CUPA_NEG_INF;
     row_sum[i] = 0.0f;
   }
-  const int mi = lane >> 3;
 
-  for (int kt = 0; kt < ntiles; ++kt) {
+  int stage = 0, slot = 0;  // kt % NST, kt % (NST + 1)
+  for (int kt = 0; kt < ntiles; ++kt, stage = stage + 1 == NST ? 0 : stage + 1, slot = slot == NST ? 0 : slot + 1) {
     cp_async_wait<NST - 2>();
     __syncthreads();
-    const int stage = kt % NST, slot = kt % (NST + 1);
-    if (kt + NST - 1 < ntiles) load_tile(kt + NST - 1);
+    if (kt + NST - 1 < ntiles) load_tile(stage == 0 ? NST - 1 : stage - 1, slot <= 1 ? slot + NST - 1 : slot - 2);
     cp_async_commit();
-    if (kt + NST < ntiles) find_rows(kt + NST);  // read after the next barrier
+    if (kt + NST < ntiles) find_rows(kt + NST, slot == 0 ? NST : slot - 1);  // read after the next barrier
 
-    const T* sK;
-    const T* sV;
+    unsigned k_base, v_base;
     if constexpr (Cache::quantized) {
       // Every warp reads every key, so the whole CTA widens the tile, then waits for it.
       const C* rK = reinterpret_cast<const C*>(stages + stage * L::stage_bytes);
@@ -350,19 +438,23 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
         widen16<T, Cache>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
       }
       __syncthreads();
-      sK = sKw;
-      sV = sVw;
+      k_base = sKw_a + k_lane;
+      v_base = sKw_a + KEYS * ROW_BYTES + v_lane;
     } else {
-      sK = reinterpret_cast<const T*>(stages + stage * L::stage_bytes);
-      sV = sK + KEYS * D;
+      k_base = stages_a + stage * L::stage_bytes + k_lane;
+      v_base = stages_a + stage * L::stage_bytes + KEYS * ROW_BYTES + v_lane;
     }
 
     const int kt0 = klo + kt * KEYS;
     if (kt0 >= whi_max || kt0 + KEYS <= wlo_min) continue;  // no row of this warp admits these keys
     const unsigned* mapped = sMapped + slot * MASK_WORDS;
+    unsigned mw[MASK_WORDS];
     bool all_mapped = true;
 #pragma unroll
-    for (int w = 0; w < MASK_WORDS; ++w) all_mapped = all_mapped && mapped[w] == 0xffffffffu;
+    for (int w = 0; w < MASK_WORDS; ++w) {
+      mw[w] = mapped[w];
+      all_mapped = all_mapped && mw[w] == 0xffffffffu;
+    }
     const bool interior = all_mapped && kt0 >= wlo_max && kt0 + KEYS <= whi_min;
 
     // S = Q K^T for this warp's rows and the tile's KEYS keys; each K fragment serves all MT tiles.
@@ -384,10 +476,11 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
           load_q(qa[m], m, kk);
         }
       }
+      const unsigned ka = step_addr(k_base, kk);
 #pragma unroll
       for (int j2 = 0; j2 < KEYS / 16; ++j2) {
         unsigned bk[4];
-        ldmatrix_x4(bk, sK + swz<D>(j2 * 16 + (mi >> 1) * 8 + (lane & 7), kk * 16 + (mi & 1) * 8));
+        ldsm_x4(bk, ka + j2 * 16 * ROW_BYTES);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           Mma<T>::run(s[m][2 * j2], qa[m], bk[0], bk[1]);
@@ -396,24 +489,18 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       }
     }
 
-    // Scores (one uniform branch for the rare softcap keeps the common path short), masks,
-    // online softmax (each quad of lanes shares a row).
-    if (softcap > 0.0f) {
+    // Rare transforms under one uniform branch: softcap, or a scale that cannot be folded.
+    if (!fold) {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #pragma unroll
         for (int j = 0; j < KEYS / 8; ++j) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[m][j][e] = softcap_score(s[m][j][e] * score_scale, softcap);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-#pragma unroll
-        for (int j = 0; j < KEYS / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[m][j][e] *= score_scale;
+          for (int e = 0; e < 4; ++e) {
+            float x = s[m][j][e] * score_scale;
+            if (softcap > 0.0f) x = softcap * tanhf(x * inv_softcap);
+            s[m][j][e] = x * CUPA_LOG2E;
+          }
         }
       }
     }
@@ -427,8 +514,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
           for (int e = e0; e < e0 + 2; ++e) {
             const int col = j * 8 + (lane & 3) * 2 + (e & 1);
             const int k = kt0 + col;
-            const bool admitted = k >= lo && k < hi && ((mapped[col >> 5] >> (col & 31)) & 1u);
-            if (!admitted) s[m][j][e] = CUPA_NEG_INF;
+            const bool admitted = k >= lo && k < hi && ((mw[j >> 2] >> (col & 31)) & 1u);
+            s[m][j][e] = admitted ? s[m][j][e] : CUPA_NEG_INF;
           }
         }
       }
@@ -441,24 +528,25 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
 #pragma unroll
         for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[m][j][e]);
       }
-      float c[2];
+      float c[2], base[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
         const int i = 2 * m + hf;
-        const float n = fmaxf(row_max[i], mx[hf]);
-        // A row with no admitted key yet (max -inf before and after) has o == 0, sum == 0.
-        c[hf] = row_max[i] == n ? 1.0f : rescale(row_max[i], n);
+        const float n = fmaxf(row_max[i], mx[hf] * mul);
+        // A row with no admitted key yet (max -inf before and after) has o == 0, sum == 0; its
+        // exponent base is 0 so that masked scores (-inf) give exp2(-inf) = 0.
+        c[hf] = row_max[i] == n ? 1.0f : fast_exp2(row_max[i] - n);
         row_max[i] = n;
+        base[hf] = n == CUPA_NEG_INF ? 0.0f : n;
       }
       float sum[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < KEYS / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float v = s[m][j][e];
-          s[m][j][e] = v == CUPA_NEG_INF ? 0.0f : __expf(v - row_max[2 * m + (e >> 1)]);
+          s[m][j][e] = fast_exp2(fmaf(s[m][j][e], mul, -base[e >> 1]));
           sum[e >> 1] += s[m][j][e];
         }
       }
@@ -489,7 +577,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
 #pragma unroll
       for (int nn = 0; nn < D / 16; ++nn) {
         unsigned bv[4];
-        ldmatrix_x4_trans(bv, sV + swz<D>(j2 * 16 + (mi & 1) * 8 + (lane & 7), nn * 16 + (mi >> 1) * 8));
+        ldsm_x4_trans(bv, step_addr(v_base, nn) + j2 * 16 * ROW_BYTES);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           Mma<T>::run(o[m][2 * nn], a[m], bv[0], bv[1]);
@@ -518,7 +606,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       const float sink = has_sink ? Act<T>::to_float(head_sink[g * G + (gi_first + row) % G]) : 0.0f;
       // finalize() of a unit O is the row's factor (sink and 1/L; 0 without admitted keys), so
       // each channel costs one multiply instead of a division.
-      const float factor = live ? finalize(row_max[i], row_sum[i], 1.0f, has_sink, sink, 1.0f) : 0.0f;
+      const float factor = live ? finalize(row_max[i] * CUPA_LN2, row_sum[i], 1.0f, has_sink, sink, 1.0f) : 0.0f;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         const int d = n * 8 + (lane & 3) * 2;

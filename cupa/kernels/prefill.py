@@ -28,7 +28,7 @@ PREFILL_DTYPES = ("float16", "bfloat16")
 PREFILL_HEAD_SIZES = (64, 128, 256)
 #: head_size -> (warps per CTA, m16 tiles per warp, keys per shared-memory tile, cp.async stages);
 #: mirrors PrefillConfig in prefill.cu. A CTA owns 16 * m_tiles * warps query rows.
-TILE_CONFIG = {64: (4, 2, 64, 3), 128: (4, 2, 32, 3), 256: (8, 1, 32, 2)}
+TILE_CONFIG = {64: (4, 2, 64, 3), 128: (4, 2, 64, 2), 256: (8, 1, 32, 2)}
 MAX_GRID_X = (1 << 31) - 1
 
 
@@ -49,9 +49,11 @@ def shared_bytes(problem: Problem) -> int:
     q_bytes = rows_per_cta(D) * D * 2
     stage = 2 * keys * D * code
     wide = 2 * keys * D * 2 if problem.quantized else 0
-    rows = (stages + 1) * keys * 8
+    rows = (stages + 1) * keys * 8  # byte offsets of the rows of a tile, one tile ahead
+    sizes = (stages + 1) * keys * 4  # their copy sizes (16, or 0 for masked keys)
     mapped = (stages + 1) * (keys // 32) * 4
-    return q_bytes + stages * stage + wide + rows + mapped
+    align_pad = 128  # the kernel rounds the dynamic region up to a 128-byte boundary
+    return q_bytes + stages * stage + wide + rows + sizes + mapped + align_pad
 
 
 def launch_plan(problem: Problem) -> dict:
