@@ -40,13 +40,14 @@ CUPA_DEVICE void store_rows(const float* m_at, const float* l_at, const float* o
 }
 
 // Splits [s_first, s_last] of a token (the ones whose key range meets its admitted range) each
-// wrote a partial state for rows h0 .. h0 + rows - 1; the CTA that finishes last merges them, in
-// split order and with the same arithmetic whichever CTA that is, so the bits do not depend on
-// the order CTAs finish in. `counter` (one per token and head chunk) is zeroed by the prologue of
-// the same call. The standard last-block pattern: each CTA fences its partial stores before its
-// arrival is counted, and the merging CTA reads the partials from L2 (__ldcg), never from a
-// possibly stale L1 line. Called by every thread of the CTA, after store_rows.
-// `last` is one int of shared memory, free for this use.
+// wrote a partial state for rows h0 .. h0 + rows - 1; the CTA that finishes last merges them, with
+// the same arithmetic whichever CTA that is, so the bits do not depend on the order CTAs finish
+// in (nor on num_splits beyond s_last). `counter` (one per token and head chunk) is zeroed by the
+// prologue of the same call. The standard last-block pattern: each CTA fences its partial stores
+// before its arrival is counted, and the merging CTA reads the partials from L2 (__ldcg), never
+// from a possibly stale L1 line. One warp per row: lanes take splits for the max and the sum (a
+// fixed xor tree), then channels, summing the splits in index order with independent loads.
+// Called by every thread of the CTA, after store_rows; `last` is one int of free shared memory.
 template <typename T>
 CUPA_DEVICE void merge_splits_if_last(int* counter, int* last, int s_first, int s_last, int rows, int head_size, int t,
                                       int h0, int num_heads, int g, int num_splits, const T* head_sink,
@@ -58,27 +59,53 @@ CUPA_DEVICE void merge_splits_if_last(int* counter, int* last, int s_first, int 
   __syncthreads();
   if (!*last) return;
   __threadfence();
-  const int D = head_size;
-  for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
-    const int r = e / D, d = e % D, h = h0 + r;
-    const long long row0 = ((long long)t * num_heads + h) * num_splits;
+  constexpr int MAX_CH = 8;  // channels per lane: head_size <= 256
+  const int D = head_size, n = s_last - s_first + 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
+  for (int r = warp; r < rows; r += num_warps) {
+    const int h = h0 + r;
+    const long long row0 = ((long long)t * num_heads + h) * num_splits + s_first;
     float M = CUPA_NEG_INF;
-    for (int s = s_first; s <= s_last; ++s) {
-      const float2 ml = __ldcg(part_ml + row0 + s);
+    for (int i = lane; i < n; i += 32) {
+      const float2 ml = __ldcg(part_ml + row0 + i);
       if (ml.y > 0.0f) M = fmaxf(M, ml.x);
     }
-    float L = 0.0f, O = 0.0f;
-    for (int s = s_first; s <= s_last; ++s) {
-      const float2 ml = __ldcg(part_ml + row0 + s);
-      if (ml.y > 0.0f) {
-        const float c = rescale(ml.x, M);
-        L = L * 1.0f + ml.y * c;
-        O = O + __ldcg(part_o + (row0 + s) * D + d) * c;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    float L = 0.0f, O[MAX_CH];
+#pragma unroll
+    for (int k = 0; k < MAX_CH; ++k) O[k] = 0.0f;
+    for (int base = 0; base < n; base += 32) {
+      float c = 0.0f;
+      if (base + lane < n) {
+        const float2 ml = __ldcg(part_ml + row0 + base + lane);
+        if (ml.y > 0.0f) {
+          c = rescale(ml.x, M);
+          L += ml.y * c;
+        }
+      }
+      const int count = min(32, n - base);
+#pragma unroll 4
+      for (int j = 0; j < count; ++j) {
+        const float cj = __shfl_sync(0xffffffffu, c, j);
+        if (cj == 0.0f) continue;  // an empty split (or one far below the max) adds nothing
+        const float* po = part_o + (row0 + base + j) * D;
+#pragma unroll
+        for (int k = 0; k < MAX_CH; ++k)
+          if (lane + 32 * k < D) O[k] += cj * __ldcg(po + lane + 32 * k);
       }
     }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
     const float sink = head_sink ? Act<T>::to_float(head_sink[h]) : 0.0f;
-    const float vs = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
-    out[((long long)t * num_heads + h) * D + d] = Act<T>::from_float(finalize(M, L, O, head_sink != nullptr, sink, vs));
+#pragma unroll
+    for (int k = 0; k < MAX_CH; ++k) {
+      const int d = lane + 32 * k;
+      if (d < D) {
+        const float vs = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
+        out[((long long)t * num_heads + h) * D + d] = Act<T>::from_float(finalize(M, L, O[k], head_sink != nullptr, sink, vs));
+      }
+    }
   }
 }
 

@@ -1,6 +1,8 @@
 // Fused prologue (SPEC 4.1): one pass over the new tokens.
-// A CTA owns one packed token and up to 4 of its head rows (blockIdx.y picks which): the H query
-// heads, then the Hk key heads, then the Hk value heads (none in LATENT); one warp per row. A row is staged in shared
+// A CTA owns one packed token and every gridDim.y-th group of 4 of its head rows: the H query
+// heads (unless the attention kernel reads an untransformed query itself), then the Hk key heads,
+// then the Hk value heads (none in LATENT); one warp per row. Few tokens: one group of rows per
+// CTA (latency); many tokens: fewer CTAs, each doing more rows (the token lookup amortized). A row is staged in shared
 // memory as floats, QK-normed and rotated (Q and K rows), rounded to T, then Q goes to the
 // (N, H, D) workspace the attention kernels read, and K/V are encoded into their cache slot.
 // Reads: query/key/value, cum, past_seqlens, block_table or slot_mapping, rotary and norm
@@ -20,7 +22,7 @@ __global__ void __launch_bounds__(128) paged_prologue(
     const T* __restrict__ cos_cache, const T* __restrict__ sin_cache, const int* __restrict__ slot_mapping,
     const T* __restrict__ q_norm_weight, const T* __restrict__ k_norm_weight,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, const int* __restrict__ query_positions,
-    T* __restrict__ q_out, int* __restrict__ split_counters, int counters_per_token,
+    T* __restrict__ q_out, int* __restrict__ split_counters, int counters_per_token, int write_q,
     int num_heads, int kv_num_heads, int head_size, int batch_size, int num_blocks, int block_size,
     int max_blocks, int packed, int has_value, int rotary_dim, int rotary_max_pos, int rotary_offset,
     int rotary_interleaved, float qk_norm_epsilon, int k_quant, int v_quant) {
@@ -44,7 +46,9 @@ __global__ void __launch_bounds__(128) paged_prologue(
   const T* k_src = packed ? q_src + H * D : key + t * kv_stride;
   const T* v_src = packed ? q_src + (H + Hk) * D : (has_value ? value + t * kv_stride : nullptr);
 
-  for (int r = blockIdx.y * num_warps + warp; r < rows; r += num_warps * gridDim.y) {
+  // write_q == 0: Q needs no transform (unpacked, no QK-norm, no rotary) and the attention kernel
+  // reads `query` itself; only the K/V rows are done here.
+  for (int r = (write_q ? 0 : H) + blockIdx.y * num_warps + warp; r < rows; r += num_warps * gridDim.y) {
     const bool is_q = r < H, is_k = !is_q && r < H + Hk;
     const int head = is_q ? r : (is_k ? r - H : r - H - Hk);
     if (!is_q && slot < 0) continue;  // nothing to write for this token

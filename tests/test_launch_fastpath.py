@@ -349,6 +349,7 @@ def fake_case(fake: FakeCupy, *, B=1, L=16, H=32, Hk=8, D=128, bs=16, N=None, dt
 CASES = {
     "decode_gqa_fp16": dict(B=1, L=16),
     "decode_b8_long_split": dict(B=8, L=4096),
+    "decode_b8_long_split_rotary": dict(B=8, L=4096, rotary=True),
     "decode_fp32_cuda_cores": dict(B=3, L=700, D=64, dtype=np.float32, H=8, Hk=2),
     "int8_per_tensor": dict(B=2, L=3000, cache="int8", quant="PER_TENSOR"),
     "fp8_per_channel_features": dict(B=2, L=900, cache="fp8", rotary=True, sink=True, qk_norm=True,
@@ -427,22 +428,42 @@ def test_one_workspace_allocation_per_call_and_kernels_per_call():
         assert len(fake.allocations) == 2
 
 
-def test_workspace_carving_is_aligned_and_disjoint():
+@pytest.mark.parametrize("case", ["decode_b8_long_split", "decode_b8_long_split_rotary"])
+def test_workspace_carving_is_aligned_and_disjoint(case):
+    """Rotary: Q goes through an (N, H, D) workspace first in the allocation; without a Q transform the
+    decode kernel reads `query` itself and the workspace holds only the split partials and counters."""
     fake = FakeCupy()
     with fake_cupy(fake):
-        _run(fake, "decode_b8_long_split", out=True)
+        x, _, _ = _run(fake, case, out=True)
         pro, dec = fake.launches
-        q_ws, pro_counters = (int.from_bytes(pro[-1][i], "little") for i in (16, 17))
-        assert int.from_bytes(dec[-1][0], "little") == q_ws
+        base = int.from_bytes(pro[-1][16], "little")
+        pro_counters = int.from_bytes(pro[-1][17], "little")
+        q_dec = int.from_bytes(dec[-1][0], "little")
         part_o, part_ml, counters = (int.from_bytes(dec[-1][i], "little") for i in (11, 12, 13))
         assert pro_counters == counters, "the prologue zeroes the counters the decode kernel counts on"
-        assert q_ws % 256 == part_o % 256 == part_ml % 256 == counters % 256 == 0
         N, H, Hk, D = 8, 32, 8, 128
+        if case.endswith("rotary"):
+            assert q_dec == base and part_o >= base + N * H * D * 2
+        else:
+            assert q_dec == x["query"].data.ptr and part_o == base
+        assert base % 256 == part_o % 256 == part_ml % 256 == counters % 256 == 0
         splits = dec[2][2]
         assert splits > 1
-        assert part_o >= q_ws + N * H * D * 2 and part_ml >= part_o + N * H * splits * D * 4
+        assert part_ml >= part_o + N * H * splits * D * 4
         assert counters >= part_ml + N * H * splits * 8
-        assert fake.allocations[-1] >= counters - q_ws + N * Hk * 4
+        assert fake.allocations[-1] >= counters - base + N * Hk * 4
+
+
+def test_no_workspace_without_splits_or_q_transform():
+    fake = FakeCupy()
+    with fake_cupy(fake):
+        x, o, _ = _run(fake, "decode_gqa_fp16", out=True)
+        fake.allocations.clear()
+        op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
+        op(**x, out=o)
+        assert fake.allocations == []
+        pro, dec = fake.launches[-2:]
+        assert int.from_bytes(dec[-1][0], "little") == x["query"].data.ptr
 
 
 def test_workspaces_are_kept_alive_inside_a_capture_scope():

@@ -16,13 +16,13 @@ from .. import jit
 from ..contract import Problem
 from . import launch, registry, types
 from .launch import POINTER
-from .prologue import POINTER_INPUTS, prologue_launcher
+from .prologue import POINTER_INPUTS, prologue_launcher, q_passthrough
 from .types import f32, i32
 
 DECODE_THREADS = 128
 MIN_CHUNK = 256
 # CTAs per SM the split plan aims for over the static capacity (a tuning knob for benchmarks).
-CTAS_PER_SM_TARGET = int(os.environ.get("CUPA_DECODE_CTAS_PER_SM", "4"))
+CTAS_PER_SM_TARGET = int(os.environ.get("CUPA_DECODE_CTAS_PER_SM", "2"))
 
 
 # CTAs per SM of the tensor-core kernel on 8-bit caches: 4 (3 stages, 128 registers) or 3 (4 stages).
@@ -102,8 +102,8 @@ class DecodeBackend:
         with call:
             if r is None:
                 r = recipes[call.device_id] = self._recipe(p, call)
-            ws = launch.workspace(r.nbytes)  # Q workspace and split partials: one allocation, kept alive
-            base = ws.ptr
+            # Q workspace (unless the kernel reads `query` itself) and split partials: one allocation, kept alive.
+            base = launch.workspace(r.nbytes).ptr if r.nbytes else 0
             if r.split:
                 ptrs = call.ptrs + [base, call.output.data.ptr, base + r.part_o, base + r.part_ml, base + r.counters]
             else:
@@ -122,7 +122,8 @@ class DecodeBackend:
         r = _Recipe()
         counters_per_token = p.kv_num_heads * head_chunks if num_splits > 1 else 0
         prologue = prologue_launcher(p, counters_per_token)
-        q_bytes = p.token_count * p.num_heads * p.head_size * call.dev["query"].dtype.itemsize
+        passthrough = q_passthrough(p)  # the decode kernel reads `query` itself: no Q workspace
+        q_bytes = 0 if passthrough else p.token_count * p.num_heads * p.head_size * call.dev["query"].dtype.itemsize
         r.nbytes = launch.align(q_bytes)
         r.part_o = r.part_ml = r.counters = 0
         if num_splits > 1:
@@ -150,7 +151,8 @@ class DecodeBackend:
             kernel = jit.get_kernel(registry.decode_spec(p.dtype, p.cache_kind, gt))
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + (i32(p.head_size),) + tail)
         r.split = num_splits > 1
-        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (decode, _DECODE_POINTERS)], _NPOINTERS)
+        decode_pointers = ((_I["query"],) + _DECODE_POINTERS[1:]) if passthrough else _DECODE_POINTERS
+        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (decode, decode_pointers)], _NPOINTERS)
         return r
 
 

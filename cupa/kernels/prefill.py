@@ -21,7 +21,7 @@ from .. import graphs, jit
 from ..contract import Problem
 from ..errors import fail
 from . import launch, registry, types
-from .prologue import launch_prologue
+from .prologue import launch_prologue, q_passthrough
 from .types import f32, i32, ptr
 
 PREFILL_DTYPES = ("float16", "bfloat16")
@@ -111,10 +111,14 @@ class PrefillBackend:
                        "16-byte alignment (the prefill kernel stores whole 16-byte chunks)")
         cp = call.cupy
         with call:
-            q_ws = cp.empty((p.token_count, p.num_heads, p.head_size), dtype=call.dev["query"].dtype)
-            graphs.keep_alive(q_ws)  # workspaces live as long as a graph that captured them
-            launch_prologue(p, call.dev, q_ws)
-            self._attend(p, call, q_ws)
+            if q_passthrough(p):  # the prologue only writes K/V; the kernel reads `query` itself
+                launch_prologue(p, call.dev, 0)
+                self._attend(p, call, call.dev["query"])
+            else:
+                q_ws = cp.empty((p.token_count, p.num_heads, p.head_size), dtype=call.dev["query"].dtype)
+                graphs.keep_alive(q_ws)  # workspaces live as long as a graph that captured them
+                launch_prologue(p, call.dev, q_ws)
+                self._attend(p, call, q_ws)
         return call.finish()
 
     def _attend(self, p: Problem, call, q_ws) -> None:

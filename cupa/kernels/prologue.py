@@ -16,21 +16,37 @@ POINTER_INPUTS = ("query", "key", "value", "key_cache", "value_cache", "cumulati
                   "k_norm_weight", "k_scale", "v_scale", "query_positions")
 
 
+def q_passthrough(problem: Problem) -> bool:
+    """True when the prologue would copy Q unchanged (unpacked, no QK-norm, no rotary): the attention
+    kernels then read ``query`` itself (same (N, H, D) layout) and the prologue skips the Q rows."""
+    p = problem
+    return not p.packed_qkv and not p.has_qk_norm and p.rotary_dim == 0
+
+
+# Row groups per token: one CTA per group of 4 rows while the grid is small (decode: latency), fewer
+# and fuller CTAs once the token count alone fills the GPU many times over (prefill: the token lookup
+# is amortized over more rows).
+_ROW_GROUP_CTAS_PER_SM = 16
+
+
 def prologue_launcher(problem: Problem, counters_per_token: int = 0) -> launch.Launcher:
     """The prologue launch of ``problem`` on the current device: pointers are :data:`POINTER_INPUTS`
-    (0 for an absent input) followed by the Q workspace (N, H, D) of T and the decode kernel's
-    split counters (``counters_per_token`` int32 per token, zeroed by the prologue; 0: none)."""
+    (0 for an absent input) followed by the Q workspace (N, H, D) of T (unused under
+    :func:`q_passthrough`) and the decode kernel's split counters (``counters_per_token`` int32 per
+    token, zeroed by the prologue; 0: none)."""
     p, a = problem, problem.attrs
     kernel = jit.get_kernel(registry.prologue_spec(p.dtype, p.cache_kind))
     shared = (PROLOGUE_THREADS // 32) * p.head_size * 4
-    rows = p.num_heads + p.kv_num_heads * (1 if p.latent else 2)
+    write_q = not q_passthrough(p)
+    rows = (p.num_heads if write_q else 0) + p.kv_num_heads * (1 if p.latent else 2)
+    groups = -(-rows // (PROLOGUE_THREADS // 32))
+    groups = max(1, min(groups, -(-_ROW_GROUP_CTAS_PER_SM * launch.sm_count_hint() // max(1, p.token_count))))
     args = (POINTER,) * (len(POINTER_INPUTS) + 2) + (
-        i32(counters_per_token), i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.batch_size), i32(p.num_blocks),
+        i32(counters_per_token), i32(write_q), i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.batch_size), i32(p.num_blocks),
         i32(p.block_size), i32(p.max_blocks_per_seq), i32(p.packed_qkv), i32(not p.latent),
         i32(p.rotary_dim), i32(p.rotary_max_pos), i32(a.rotary_offset), i32(a.rotary_interleaved),
         f32(a.qk_norm_epsilon), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant]))
-    return launch.Launcher(kernel, (p.token_count, -(-rows // (PROLOGUE_THREADS // 32))), (PROLOGUE_THREADS,),
-                           args, shared_mem=shared)
+    return launch.Launcher(kernel, (p.token_count, groups), (PROLOGUE_THREADS,), args, shared_mem=shared)
 
 
 def launch_prologue(problem: Problem, dev: dict, q_workspace) -> None:
