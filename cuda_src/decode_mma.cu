@@ -71,24 +71,52 @@ template <int D> CUPA_DEVICE int code_v_offset(int key, int chunk) {
   return pair * 128 + (((((key & 1) << 2) | chunk) ^ ((pair & 3) << 1)) << 4);
 }
 
-// cp.async of one 8-bit K/V tile (KEYS rows gathered through `rows`, < 0: zero-filled) into the
-// swizzled layouts above.
-template <typename C, int D, int KEYS, int THREADS>
-CUPA_DEVICE void gather_code_tile(unsigned char* sK, unsigned char* sV, const long long* rows, const C* key_cache,
-                                  const C* value_cache, int tid) {
-  constexpr int CHUNKS_PER_ROW = D / 16;
-  static_assert(KEYS * CHUNKS_PER_ROW % THREADS == 0, "whole copy rounds");
-#pragma unroll
-  for (int i = 0; i < KEYS * CHUNKS_PER_ROW / THREADS; ++i) {
-    const int c = tid + i * THREADS;
-    const int key = c / CHUNKS_PER_ROW, chunk = c % CHUNKS_PER_ROW;
-    const long long row = rows[key];
-    const long long off = row >= 0 ? row + chunk * 16 : 0;
-    const int bytes = row >= 0 ? 16 : 0;
-    cp_async_16(sK + code_k_offset<D>(key, chunk), key_cache + off, bytes);
-    cp_async_16(sV + code_v_offset<D>(key, chunk), value_cache + off, bytes);
-  }
+// Copy 16 bytes global -> shared asynchronously, or write 16 zeros without reading the source
+// (copy == 0: cp.async's ignore-src predicate).
+CUPA_DEVICE void cp_async_16_or_zero(unsigned saddr, const void* gmem, int copy) {
+  asm volatile("{\n .reg .pred p;\n setp.eq.s32 p, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n"
+               ::"r"(saddr), "l"(gmem), "r"(copy));
 }
+
+// The cp.async copies of one K/V tile of KEY_TILE rows gathered through the block table: each
+// thread always copies the same 16-byte column of rows key0, key0 + KEY_STEP, ...; every swizzle
+// used here depends only on key bits those steps leave alone, so a thread's destinations are one
+// base plus constants. Tiles of 16-bit values are swizzled for ldmatrix, code tiles as above.
+template <typename C, bool CODES, int D>
+struct TileCopy {
+  static constexpr int ROW_BYTES = D * (int)sizeof(C);
+  static constexpr int CHUNKS = ROW_BYTES / 16;
+  static constexpr int THREADS = MMA_WARPS * 32;
+  static constexpr int KEY_STEP = THREADS / CHUNKS;
+  static constexpr int ROUNDS = KEY_TILE / KEY_STEP;
+  static_assert(THREADS % CHUNKS == 0 && KEY_TILE % KEY_STEP == 0, "whole copy rounds");
+  int key0, col_bytes;
+  unsigned dk0, dv0;  // byte offsets in a stage of round 0's K and V chunks
+
+  CUPA_DEVICE explicit TileCopy(int tid) {
+    key0 = tid / CHUNKS;
+    const int chunk = tid % CHUNKS;
+    col_bytes = chunk * 16;
+    if constexpr (CODES) {
+      dk0 = code_k_offset<D>(key0, chunk);
+      dv0 = KEY_TILE * ROW_BYTES + code_v_offset<D>(key0, chunk);
+    } else {
+      dk0 = swz<D>(key0, chunk * 8) * 2;
+      dv0 = KEY_TILE * ROW_BYTES + swz<D>(key0, chunk * 8) * 2;
+    }
+  }
+  // rows: byte offset of each key's row in the caches, < 0 for a masked key (zero-filled).
+  CUPA_DEVICE void issue(unsigned stage, const long long* rows, const char* key_cache, const char* value_cache) const {
+#pragma unroll
+    for (int i = 0; i < ROUNDS; ++i) {
+      const long long row = rows[key0 + i * KEY_STEP];
+      const long long off = row + col_bytes;
+      const int copy = row >= 0;
+      cp_async_16_or_zero(stage + dk0 + i * KEY_STEP * ROW_BYTES, key_cache + off, copy);
+      cp_async_16_or_zero(stage + dv0 + i * KEY_STEP * ROW_BYTES, value_cache + off, copy);
+    }
+  }
+};
 
 template <typename T, typename Cache, int D>
 __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) paged_decode_mma(
@@ -109,8 +137,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   unsigned char* stages = smem + L::q_bytes;
-  // Element offset of each key row of a tile in the caches (-1: masked), computed one pipeline
-  // step before its copies are issued, so the block-table reads never stall the copy issue.
+  // Byte offset of each key row of a tile in the caches (-1: masked), computed one pipeline step
+  // before its copies are issued, so the block-table reads never stall the copy issue.
   long long* sRows = reinterpret_cast<long long*>(stages + NST * L::stage_bytes);
 
   const int t = blockIdx.x, split = blockIdx.z;
@@ -162,19 +190,14 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       int blk = -1;
       if (tile < ntiles && k < hi) blk = physical_block(block_table, max_blocks, num_blocks, info.b, kb);
       sRows[(tile % (NST + 1)) * KEY_TILE + tid] =
-          blk >= 0 ? ((long long)blk * block_size + ko) * row_stride + (long long)g * D : -1;
+          blk >= 0 ? (((long long)blk * block_size + ko) * row_stride + (long long)g * D) * (long long)sizeof(C) : -1;
     }
   };
+  const TileCopy<C, Cache::quantized, D> copier(tid);
+  const unsigned stages_addr = smem_addr(stages);
   auto load_tile = [&](int tile) {
-    unsigned char* st = stages + (tile % NST) * L::stage_bytes;
-    if constexpr (Cache::quantized) {
-      gather_code_tile<C, D, KEY_TILE, MMA_WARPS * 32>(st, st + KEY_TILE * D, sRows + (tile % (NST + 1)) * KEY_TILE,
-                                                        key_cache, value_cache, tid);
-    } else {
-      C* sK = reinterpret_cast<C*>(st);
-      gather_kv_tile<C, false, D, KEY_TILE, MMA_WARPS * 32>(sK, sK + KEY_TILE * D, sRows + (tile % (NST + 1)) * KEY_TILE,
-                                                            key_cache, value_cache, tid);
-    }
+    copier.issue(stages_addr + (tile % NST) * L::stage_bytes, sRows + (tile % (NST + 1)) * KEY_TILE,
+                 reinterpret_cast<const char*>(key_cache), reinterpret_cast<const char*>(value_cache));
   };
 
 #pragma unroll
