@@ -7,6 +7,20 @@
 // A partial state over some keys: m = running max, l = sum exp(s - m), o = sum exp(s - m) v.
 // l == 0 means "no admitted key" (m is then -inf and o is 0).
 
+#ifndef CUPA_LOG2E
+#define CUPA_LOG2E 1.4426950408889634f
+#endif
+#ifndef CUPA_LN2
+#define CUPA_LN2 0.6931471805599453f
+#endif
+
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: 2^-inf = 0).
+CUPA_DEVICE float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Scale factor that moves a state with max m onto max M (M >= m); 0 for an empty state.
 CUPA_DEVICE float rescale(float m, float M) { return m == CUPA_NEG_INF ? 0.0f : __expf(m - M); }
 
