@@ -13,7 +13,12 @@ from .errors import PagedAttentionError, fail
 _TENSOR_INPUTS = tuple(n for n in INPUT_NAMES if n != "attention_metadata")
 _N_INPUTS = len(INPUT_NAMES)
 _INPUT_INDEX = {name: i for i, name in enumerate(INPUT_NAMES)}
+_INPUT_SET = frozenset(INPUT_NAMES)
+#: the names taken by n positional inputs
+_POSITIONAL = tuple(frozenset(INPUT_NAMES[:n]) for n in range(_N_INPUTS + 1))
 _ALL_NONE = dict.fromkeys(INPUT_NAMES)
+#: plan memo entries kept per op (the memo is cleared when full)
+_MEMO_SIZE = 64
 _GET_TENSORS = operator.itemgetter(*_TENSOR_INPUTS)
 
 
@@ -60,6 +65,7 @@ class PagedAttention:
         self.attributes = Attributes(num_heads=num_heads, kv_num_heads=kv_num_heads, **attributes)
         # (metadata, (type, shape, dtype) per input) -> [Problem, backend or None]; see _memo_entry()
         self._problems = {}
+        self._last = (None, None)   # (key, entry) of the last memo hit or fill: checked before the dict
 
     def __repr__(self) -> str:
         default = Attributes(num_heads=1, kv_num_heads=1)
@@ -76,6 +82,17 @@ class PagedAttention:
                                       f"(the ONNX input order {list(INPUT_NAMES)})")
         inputs = _ALL_NONE.copy()
         inputs.update(zip(INPUT_NAMES, args))
+        if kwargs:
+            keys = kwargs.keys()
+            if keys <= _INPUT_SET and keys.isdisjoint(_POSITIONAL[n]):
+                inputs.update(kwargs)   # every name known, none given twice: what the loop below does
+            else:
+                self._bind_keywords(inputs, n, kwargs)
+        return inputs
+
+    @staticmethod
+    def _bind_keywords(inputs: dict, n: int, kwargs: dict) -> None:
+        """Keyword inputs one by one, raising for the first unknown or repeated name."""
         for name, value in kwargs.items():
             pos = _INPUT_INDEX.get(name)
             if pos is None:
@@ -87,7 +104,6 @@ class PagedAttention:
                 raise PagedAttentionError(f"{name}: got it both positionally (input {pos}) and by keyword; "
                                           "expected it once")
             inputs[name] = value
-        return inputs
 
     def _memo_entry(self, inputs: dict) -> list:
         """``[problem, backend or None]`` for the bound inputs, validating them on a memo miss.
@@ -95,22 +111,28 @@ class PagedAttention:
         validate() is a pure function of the attributes, the inputs' (shape, dtype) and the
         metadata values, and the backend choice a pure function of the Problem and of each input's
         library (NumPy or device, a function of its type): both are memoized per op on exactly
-        that key, so a repeated call with the same shapes costs one tuple build and one dict lookup.
+        that key, read again on every call (the metadata values and each input's type, shape and
+        dtype). A repeated call costs one key build and one comparison with the last key (a dict
+        lookup when it differs).
         """
         mdv = metadata_values(inputs["attention_metadata"])
         try:
             key = (mdv, *[None if x is None else (type(x), x.shape, x.dtype) for x in _GET_TENSORS(inputs)])
+            last = self._last
+            if key == last[0]:
+                return last[1]
             entry = self._problems.get(key)
-        except (AttributeError, TypeError):   # not an array, or unhashable shape/dtype: no memo
+        except (AttributeError, TypeError, ValueError):   # not an array, unhashable or odd shape/dtype: no memo
             key = entry = None
-        if entry is not None:
-            return entry
-        infos = {name: _describe(name, inputs[name]) for name in _TENSOR_INPUTS}
-        entry = [validate(self.attributes, infos, mdv), None]
-        if key is not None:
-            if len(self._problems) >= 64:
+        if entry is None:
+            infos = {name: _describe(name, inputs[name]) for name in _TENSOR_INPUTS}
+            entry = [validate(self.attributes, infos, mdv), None]
+            if key is None:
+                return entry
+            if len(self._problems) >= _MEMO_SIZE:
                 self._problems.clear()
             self._problems[key] = entry
+        self._last = (key, entry)   # one tuple, replaced whole: a thread reads an old or a new pair
         return entry
 
     def _problem(self, inputs: dict) -> Problem:
@@ -148,7 +170,7 @@ class PagedAttention:
         backend = entry[1]
         if backend is None:
             backend = entry[1] = dispatch.select_backend(entry[0], inputs)
-        return backend.run(entry[0], inputs, out=out, stream=stream)
+        return backend.run(entry[0], inputs, out, stream)
 
 
 def paged_attention(query, key=None, value=None, key_cache=None, value_cache=None,

@@ -265,6 +265,8 @@ def _check_shape(info: ArrayInfo, name: str, expected: tuple, what: str = ""):
         raise fail(name, f"shape {_dims(info.shape)}", f"shape {_dims(expected)}" + (f" {what}" if what else ""))
 
 
+_INT32 = np.dtype(np.int32)
+_MD_SHAPES = ((2,), (3,))
 _MD_EXPECTED = "int32 host values: a list/tuple or NumPy int32 array"
 _MD_SHAPE = "2 or 3 entries [max_query_len_bound, max_kv_len_bound(, max_kv_len_lower_bound)]"
 
@@ -278,6 +280,11 @@ def metadata_values(md) -> Optional[tuple]:
     """
     if md is None:
         return None
+    if type(md) is np.ndarray and md.dtype is _INT32 and md.shape in _MD_SHAPES:   # the common case
+        vals = tuple(md.tolist())
+        if vals[0] < 0 or vals[1] < 0 or (len(vals) > 2 and vals[2] < 0):
+            raise fail("attention_metadata", list(vals), "entries >= 0 (0 means unknown)")
+        return vals
     if isinstance(md, np.ndarray):
         if md.dtype != np.int32:
             raise fail("attention_metadata", f"dtype {md.dtype}", "dtype int32 (no silent casts of index inputs)")

@@ -86,8 +86,8 @@ def _cp():
 
 def _reset_module_cache() -> None:
     """Forget the imported CuPy module (tests swap in a fake one)."""
-    global _cupy
-    _cupy = None
+    global _cupy, CUPY_NDARRAY
+    _cupy = CUPY_NDARRAY = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,7 +132,7 @@ class Call:
         fast = None
         if type(query) is nd:
             self.stream = current if stream is None else arrays.resolve_stream(stream, query)
-            if _has_contiguity_attr(nd):
+            if nd is CUPY_NDARRAY or _has_contiguity_attr(nd):
                 fast = _cupy_inputs(nd, inputs)
         else:
             self.stream = arrays.resolve_stream(stream, query)
@@ -152,18 +152,19 @@ class Call:
                 if ptrs[i] % 16:
                     raise fail(_TENSORS[i], f"a device pointer at {ptrs[i]:#x}", "16-byte alignment (vector loads)")
         self._device = None
-        self._set_device = cuda.runtime.getDevice() != device_id
+        set_device = self._set_device = cuda.runtime.getDevice() != device_id
         # Another device: its own current stream; enter both. Same device: enter the stream if not current.
-        self._set_stream = self._set_device or self.stream.ptr != current.ptr
+        self._set_stream = set_device or self.stream.ptr != current.ptr
         if out is None:
             with self:
                 if self._all_cupy:
                     self.output = cupy.empty(problem.output_shape, dtype=query.dtype)
                 else:
                     self.output = arrays.empty_output(problem.output_shape, problem.dtype, query, device_id)
-            graphs.keep_alive(self.output)  # a captured graph writes it at every replay
-        elif (self._all_cupy and type(out) is nd and out.shape == problem.output_shape
-              and out.dtype == query.dtype and out.data.device_id == device_id and out._c_contiguous):
+            if graphs._active:
+                graphs.keep_alive(self.output)  # a captured graph writes it at every replay
+        elif (self._all_cupy and type(out) is nd and out._c_contiguous and out.dtype == query.dtype
+              and out.data.device_id == device_id and out.shape == _output_shape(problem)):
             self.output = out  # what arrays.check_out returns for a valid CuPy out with a CuPy query
         else:
             self.output = arrays.check_out(out, problem.output_shape, problem.dtype, query, device_id)
@@ -206,10 +207,30 @@ class Call:
         return arrays.wrap_output(self.output, like=self.query, stream=self.stream)
 
 
-@functools.lru_cache(maxsize=None)
+#: ``cupy.ndarray`` once a Call has found it to expose ``_c_contiguous`` (one identity test per call instead
+#: of a cached-function call), else None: before the first CUDA call, or after the CuPy module was swapped.
+CUPY_NDARRAY = None
+
+
 def _has_contiguity_attr(nd) -> bool:
     """CuPy's ndarray exposes ``_c_contiguous`` (CuPy 14); without it, the general path checks flags."""
-    return hasattr(nd, "_c_contiguous")
+    global CUPY_NDARRAY
+    if hasattr(nd, "_c_contiguous"):
+        CUPY_NDARRAY = nd
+        return True
+    return False
+
+
+_OUTPUT_SHAPE = "_cupa_output_shape"
+
+
+def _output_shape(problem: Problem) -> tuple:
+    """``problem.output_shape``, built once per Problem object (stored on it, like :func:`problem_memo`)."""
+    shape = problem.__dict__.get(_OUTPUT_SHAPE)
+    if shape is None:
+        shape = problem.output_shape
+        object.__setattr__(problem, _OUTPUT_SHAPE, shape)
+    return shape
 
 
 def _cupy_inputs(nd, inputs: dict):
@@ -237,8 +258,9 @@ def _cupy_inputs(nd, inputs: dict):
     return None if device == -1 else (device, ptrs)
 
 
-def prepare(problem: Problem, inputs: dict, out, stream) -> Call:
-    return Call(problem, inputs, out, stream)
+#: ``prepare(problem, inputs, out, stream) -> Call``: the :class:`Call` of one backend run (the class
+#: itself, so a call costs no extra frame).
+prepare = Call
 
 
 # -- workspaces ------------------------------------------------------------------------------------------
@@ -268,8 +290,9 @@ def workspace(nbytes: int) -> Workspace:
     Run it inside ``with call:`` (CuPy's pool hands a freed block back only on the stream it was
     allocated on). Registered with :func:`cupa.graphs.keep_alive`, as every allocation of a call.
     """
-    ws = Workspace(_cp().cuda.alloc(nbytes), nbytes)
-    graphs.keep_alive(ws)
+    ws = Workspace((_cupy or _cp()).cuda.alloc(nbytes), nbytes)
+    if graphs._active:   # what keep_alive() tests first, without the call when no capture is active
+        graphs.keep_alive(ws)
     return ws
 
 
