@@ -71,32 +71,6 @@ template <int D> CUPA_DEVICE int code_v_offset(int key, int chunk) {
   return pair * 128 + (((((key & 1) << 2) | chunk) ^ ((pair & 3) << 1)) << 4);
 }
 
-// int8 codes into fp16 fragments with a bias left in: bytes c ^ 0x80 under the exponent 0x64
-// make the halves 1024 + (c + 128) = c + 1152 exactly (two PRMTs per 4 codes, no subtraction).
-// The bias is taken out once: Q.K gets 1152 * sum(q) subtracted per row; P.V gets 1152 * sum(p)
-// subtracted per row at the end, sum(p) being the fp16-rounded p the MMAs used, summed in fp32. Exact products; the fp32 sums carry the bias (|c| <= 128 against
-// 1152: a few bits of headroom of fp32's 24).
-// CUPA_INT8_BIAS (a tuning knob): bit 0 biases the K fragments, bit 1 the V fragments.
-#ifndef CUPA_INT8_BIAS
-#define CUPA_INT8_BIAS 3
-#endif
-template <typename T, typename Cache> struct BiasedCodes { static constexpr bool k = false, v = false; };
-template <> struct BiasedCodes<__half, CacheInt8> {
-  static constexpr bool k = (CUPA_INT8_BIAS & 1) != 0, v = (CUPA_INT8_BIAS & 2) != 0;
-};
-constexpr float INT8_FRAGMENT_BIAS = 1152.0f;
-
-template <typename T, typename Cache, bool BIASED>
-CUPA_DEVICE void widen_fragment(unsigned w, unsigned& lo, unsigned& hi) {
-  if constexpr (BIASED) {
-    const unsigned u = w ^ 0x80808080u;
-    lo = __byte_perm(u, 0x64646464u, 0x4140);
-    hi = __byte_perm(u, 0x64646464u, 0x4342);
-  } else {
-    Widen4<T, Cache>::run(w, lo, hi);
-  }
-}
-
 // Copy 16 bytes global -> shared asynchronously, or write 16 zeros without reading the source
 // (copy == 0: cp.async's ignore-src predicate).
 CUPA_DEVICE void cp_async_16_or_zero(unsigned saddr, const void* gmem, int copy) {
@@ -251,34 +225,12 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], sQ + swz<D>(lane & 15, kk * 16 + (lane >> 4) * 8));
   }
-  // Biased int8 codes: 1152 * sum over channels of each row's fp16 q (rows lane/4 and lane/4 + 8).
-  float kbias0 = 0.0f, kbias1 = 0.0f;
-  if constexpr (BiasedCodes<T, Cache>::k) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const float2 a0 = __half22float2(bits_half2(qf[kk][0])), a2 = __half22float2(bits_half2(qf[kk][2]));
-      const float2 a1 = __half22float2(bits_half2(qf[kk][1])), a3 = __half22float2(bits_half2(qf[kk][3]));
-      kbias0 += (a0.x + a0.y) + (a2.x + a2.y);
-      kbias1 += (a1.x + a1.y) + (a3.x + a3.y);
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      kbias0 += __shfl_xor_sync(0xffffffffu, kbias0, off);
-      kbias1 += __shfl_xor_sync(0xffffffffu, kbias1, off);
-    }
-    kbias0 *= INT8_FRAGMENT_BIAS;
-    kbias1 *= INT8_FRAGMENT_BIAS;
-  }
-
   const float score_scale = scale * (k_quant == QUANT_PER_TENSOR ? k_scale[0] : 1.0f);
   const float score_scale2 = score_scale * CUPA_LOG2E;
   float o[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m0 = CUPA_NEG_INF, m1 = CUPA_NEG_INF, l0 = 0.0f, l1 = 0.0f;
-  float psum0 = 0.0f, psum1 = 0.0f;  // biased codes: this lane's sum of the fp16 p of rows lane/4, lane/4 + 8
-  kbias0 *= score_scale2;  // from here on in log2 score units
-  kbias1 *= score_scale2;
 
   for (int tile = 0; tile < ntiles; ++tile) {
     cp_async_wait<NST - 2>();
@@ -302,7 +254,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
 #pragma unroll
           for (int q4 = 0; q4 < 4; ++q4) {
             unsigned b0, b1;
-            widen_fragment<T, Cache, BiasedCodes<T, Cache>::k>(ws[q4], b0, b1);
+            Widen4<T, Cache>::run(ws[q4], b0, b1);
             Mma<T>::run(s[j], qf[h * 4 + q4], b0, b1);
           }
         }
@@ -326,13 +278,12 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          s[j][e] = softcap_score((s[j][e] - __fdividef(e < 2 ? kbias0 : kbias1, score_scale2)) * score_scale, softcap) *
-                    CUPA_LOG2E;
+          s[j][e] = softcap_score(s[j][e] * score_scale, softcap) * CUPA_LOG2E;
     } else {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = fmaf(s[j][e], score_scale2, -(e < 2 ? kbias0 : kbias1));
+        for (int e = 0; e < 4; ++e) s[j][e] *= score_scale2;
     }
     float mx0 = CUPA_NEG_INF, mx1 = CUPA_NEG_INF;
 #pragma unroll
@@ -373,10 +324,6 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
         o[n][2] *= c1;
         o[n][3] *= c1;
       }
-      if constexpr (BiasedCodes<T, Cache>::v) {
-        psum0 *= c0;
-        psum1 *= c1;
-      }
     }
     unsigned a[4] = {Mma<T>::pack(p[0][0], p[0][1]), Mma<T>::pack(p[0][2], p[0][3]),
                      Mma<T>::pack(p[1][0], p[1][1]), Mma<T>::pack(p[1][2], p[1][3])};
@@ -407,18 +354,12 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
 #pragma unroll
       for (int x = 0; x < WORDS; ++x) {
         unsigned b0[4], b1[4];  // per channel 4x + e: keys (2c, 2c+1) and (2c+8, 2c+9)
-        widen_fragment<T, Cache, BiasedCodes<T, Cache>::v>(__byte_perm(w[0][x], w[1][x], 0x5140), b0[0], b0[1]);
-        widen_fragment<T, Cache, BiasedCodes<T, Cache>::v>(__byte_perm(w[0][x], w[1][x], 0x7362), b0[2], b0[3]);
-        widen_fragment<T, Cache, BiasedCodes<T, Cache>::v>(__byte_perm(w[2][x], w[3][x], 0x5140), b1[0], b1[1]);
-        widen_fragment<T, Cache, BiasedCodes<T, Cache>::v>(__byte_perm(w[2][x], w[3][x], 0x7362), b1[2], b1[3]);
+        Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x5140), b0[0], b0[1]);
+        Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x7362), b0[2], b0[3]);
+        Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x5140), b1[0], b1[1]);
+        Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x7362), b1[2], b1[3]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) Mma<T>::run(o[4 * x + e], a, b0[e], b1[e]);
-      }
-      if constexpr (BiasedCodes<T, Cache>::v) {  // the fp16 p the MMAs used, summed exactly in fp32
-        const float2 p00 = __half22float2(bits_half2(a[0])), p10 = __half22float2(bits_half2(a[2]));
-        const float2 p01 = __half22float2(bits_half2(a[1])), p11 = __half22float2(bits_half2(a[3]));
-        psum0 += (p00.x + p00.y) + (p10.x + p10.y);
-        psum1 += (p01.x + p01.y) + (p11.x + p11.y);
       }
     } else {
       const T* sV = reinterpret_cast<const T*>(st) + KEY_TILE * D;
@@ -435,20 +376,6 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   cp_async_wait<0>();
   __syncthreads();
 
-  if constexpr (BiasedCodes<T, Cache>::v) {
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {  // a row's keys are spread over the 4 lanes of a quad
-      psum0 += __shfl_xor_sync(0xffffffffu, psum0, off);
-      psum1 += __shfl_xor_sync(0xffffffffu, psum1, off);
-    }
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][0] = fmaf(-INT8_FRAGMENT_BIAS, psum0, o[n][0]);
-      o[n][1] = fmaf(-INT8_FRAGMENT_BIAS, psum0, o[n][1]);
-      o[n][2] = fmaf(-INT8_FRAGMENT_BIAS, psum1, o[n][2]);
-      o[n][3] = fmaf(-INT8_FRAGMENT_BIAS, psum1, o[n][3]);
-    }
-  }
   m0 = m0 == CUPA_NEG_INF ? m0 : m0 * CUPA_LN2;  // back to natural units for the merges
   m1 = m1 == CUPA_NEG_INF ? m1 : m1 * CUPA_LN2;
   // Merge the warps in order through shared memory (the stage buffers are free now).
