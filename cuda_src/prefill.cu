@@ -549,6 +549,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
         }
       }
     }
+    // Both m tiles' maxima first (their shuffle chains interleave), then one vote for the rescale.
+    float c[MT][2];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       float mx[2] = {CUPA_NEG_INF, CUPA_NEG_INF};
@@ -557,7 +559,6 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
 #pragma unroll
         for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[m][j][e]);
       }
-      float c[2], base[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
@@ -566,11 +567,15 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
         const float n = fmaxf(row_max[i], mx[hf] * mul);
         // A row with no admitted key yet (max -inf before and after) has o == 0, sum == 0; its
         // exponent base is 0 so that masked scores (-inf) give exp2(-inf) = 0.
-        c[hf] = row_max[i] == n ? 1.0f : fast_exp2(row_max[i] - n);
+        c[m][hf] = row_max[i] == n ? 1.0f : fast_exp2(row_max[i] - n);
         row_max[i] = n;
-        base[hf] = n == CUPA_NEG_INF ? 0.0f : n;
       }
-      float sum[2] = {0.0f, 0.0f};
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      float base[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) base[hf] = row_max[2 * m + hf] == CUPA_NEG_INF ? 0.0f : row_max[2 * m + hf];
 #pragma unroll
       for (int j = 0; j < KEYS / 8; ++j) {
 #pragma unroll
@@ -579,15 +584,21 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
           sum[e >> 1] += s[m][j][e];
         }
       }
-      row_sum[2 * m] = row_sum[2 * m] * c[0] + sum[0];
-      row_sum[2 * m + 1] = row_sum[2 * m + 1] * c[1] + sum[1];
-      if (__any_sync(0xffffffffu, c[0] != 1.0f || c[1] != 1.0f)) {
+      row_sum[2 * m] = row_sum[2 * m] * c[m][0] + sum[0];
+      row_sum[2 * m + 1] = row_sum[2 * m + 1] * c[m][1] + sum[1];
+    }
+    bool rescale = false;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) rescale = rescale || c[m][0] != 1.0f || c[m][1] != 1.0f;
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
-          o[m][n][0] *= c[0];
-          o[m][n][1] *= c[0];
-          o[m][n][2] *= c[1];
-          o[m][n][3] *= c[1];
+          o[m][n][0] *= c[m][0];
+          o[m][n][1] *= c[m][0];
+          o[m][n][2] *= c[m][1];
+          o[m][n][3] *= c[m][1];
         }
       }
     }
