@@ -214,8 +214,10 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((128u - (smem_addr(smem_raw) & 127u)) & 127u);
   __shared__ int sTok[ROWS];  // packed token of each row, -1: not this CTA's row
+  __shared__ int sHead[ROWS];  // query head of each row (g*G + row % G)
   __shared__ int sLo[ROWS], sHi[ROWS];  // admitted key range of each row (empty: zero output)
   __shared__ int sRangeLo[WARPS], sRangeHi[WARPS];
+  __shared__ int4 sWarpRange[WARPS];  // per warp: union lo, union hi, intersection lo, intersection hi
   T* sQ = reinterpret_cast<T*>(smem);
   unsigned char* stages = smem + L::q_bytes;
   T* sKw = reinterpret_cast<T*>(stages + NST * L::stage_bytes);  // widened tiles (quantized only)
@@ -246,8 +248,10 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   if (tid < ROWS) {
     const long long row = tile_rows0 + tid;
     int tok = -1, lo = 0, hi = 0;
+    const long long tok_in_seq = row / G;
+    sHead[tid] = g * G + (int)(row - tok_in_seq * G);
     if (row < seq_rows) {
-      const int t = seq_origin + (int)(row / G);
+      const int t = seq_origin + (int)tok_in_seq;
       if (t >= seq_cum) {
         tok = t;
         const TokenInfo info = locate_token(t, cum, past, B, query_positions, (long long)max_blocks * block_size,
@@ -275,23 +279,35 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     khi = max(khi, sRangeHi[w]);
   }
   const int ntiles = khi > klo ? (khi - klo + KEYS - 1) / KEYS : 0;
-  const int gi_first = (int)(tile_rows0 % G);  // head within the group of row 0
 
-  // Q rows (K scale folded in per channel); rows without admitted keys are zero.
-  for (int c = tid; c < ROWS * (D / 8); c += THREADS) {
-    const int r = c / (D / 8), col = (c % (D / 8)) * 8;
-    float v[8];
+  // Q rows; rows without admitted keys are zero. Without a per-channel K scale the rows are copied
+  // as they are with cp.async (in the first copy group, with the first K/V tile, so their latency
+  // overlaps the block lookups); with one, the scale is folded in through registers. When no tile
+  // is loaded the epilogue writes zeros without reading sQ, and no copy may still be landing in it
+  // then (the loop's first barrier is what orders the copies before any warp reads or rewrites sQ).
+  if (ntiles > 0) {
+    if (k_quant == QUANT_PER_CHANNEL) {
+      for (int c = tid; c < ROWS * (D / 8); c += THREADS) {
+        const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+        float v[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = 0.0f;
-    if (sHi[r] > sLo[r]) {
-      const int h = g * G + (gi_first + r) % G;
-      load8(q + ((long long)sTok[r] * H + h) * D + col, v);
-      if (k_quant == QUANT_PER_CHANNEL) {
+        for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+        if (sHi[r] > sLo[r]) {
+          load8(q + ((long long)sTok[r] * H + sHead[r]) * D + col, v);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] *= k_scale[g * D + col + i];
+          for (int i = 0; i < 8; ++i) v[i] *= k_scale[g * D + col + i];
+        }
+        store8(sQ + swz<D>(r, col), v);
+      }
+    } else {
+#pragma unroll
+      for (int c = tid; c < ROWS * (D / 8); c += THREADS) {
+        const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+        const bool live = sHi[r] > sLo[r];
+        const T* src = live ? q + ((long long)sTok[r] * H + sHead[r]) * D + col : q;
+        cp_async_16_to(sQ_a + 2u * (unsigned)swz<D>(r, col), src, live);
       }
     }
-    store8(sQ + swz<D>(r, col), v);
   }
 
   const long long row_stride_bytes = (long long)Hk * D * (long long)sizeof(C);
@@ -374,6 +390,11 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   whi_max = __reduce_max_sync(0xffffffffu, whi_max);
   wlo_max = __reduce_max_sync(0xffffffffu, wlo_max);
   whi_min = __reduce_min_sync(0xffffffffu, whi_min);
+  // 16-bit caches keep these in shared memory and read them at each tile (ordered by the loop's
+  // barrier): four registers fewer across the key loop, where the fp32 accumulators leave none to
+  // spare. (Chosen by ptxas's results at 255 registers: 8-bit caches, whose loop also widens the
+  // tile, allocate without spills with the registers and spill row_sum without them.)
+  if (lane == 0) sWarpRange[warp] = make_int4(wlo_min, whi_max, wlo_max, whi_min);
 
   // ldmatrix addresses. Every tile starts on a 128-byte boundary and a row is a multiple of 128
   // bytes, so a row's swizzled chunk (c ^ row%8) sits in address bits 4..6: a lane's address for
@@ -391,6 +412,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   auto load_q = [&](unsigned (&frag)[4], int m, int kk) { ldsm_x4(frag, step_addr(q_lane, kk) + m * 16 * ROW_BYTES); };
   unsigned qf[Cfg::Q_IN_REGS ? MT : 1][Cfg::Q_IN_REGS ? D / 16 : 1][4];
   if constexpr (Cfg::Q_IN_REGS) {
+    cp_async_wait<NST - 2>();  // Q landed with the first tile (what the loop's first wait waits for)
+    __syncthreads();
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
 #pragma unroll
@@ -446,7 +469,13 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     }
 
     const int kt0 = klo + kt * KEYS;
-    if (kt0 >= whi_max || kt0 + KEYS <= wlo_min) continue;  // no row of this warp admits these keys
+    int4 wr;
+    if constexpr (Cache::quantized) {
+      wr = make_int4(wlo_min, whi_max, wlo_max, whi_min);
+    } else {
+      wr = sWarpRange[warp];
+    }
+    if (kt0 >= wr.y || kt0 + KEYS <= wr.x) continue;  // no row of this warp admits these keys
     const unsigned* mapped = sMapped + slot * MASK_WORDS;
     unsigned mw[MASK_WORDS];
     bool all_mapped = true;
@@ -455,7 +484,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       mw[w] = mapped[w];
       all_mapped = all_mapped && mw[w] == 0xffffffffu;
     }
-    const bool interior = all_mapped && kt0 >= wlo_max && kt0 + KEYS <= whi_min;
+    const bool interior = all_mapped && kt0 >= wr.z && kt0 + KEYS <= wr.w;
 
     // S = Q K^T for this warp's rows and the tile's KEYS keys; each K fragment serves all MT tiles.
     float s[MT][KEYS / 8][4];
@@ -520,6 +549,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
         }
       }
     }
+    // Both m tiles' maxima first (their shuffle chains interleave), then one vote for the rescale.
+    float c[MT][2];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       float mx[2] = {CUPA_NEG_INF, CUPA_NEG_INF};
@@ -528,7 +559,6 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
 #pragma unroll
         for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[m][j][e]);
       }
-      float c[2], base[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
@@ -537,11 +567,15 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
         const float n = fmaxf(row_max[i], mx[hf] * mul);
         // A row with no admitted key yet (max -inf before and after) has o == 0, sum == 0; its
         // exponent base is 0 so that masked scores (-inf) give exp2(-inf) = 0.
-        c[hf] = row_max[i] == n ? 1.0f : fast_exp2(row_max[i] - n);
+        c[m][hf] = row_max[i] == n ? 1.0f : fast_exp2(row_max[i] - n);
         row_max[i] = n;
-        base[hf] = n == CUPA_NEG_INF ? 0.0f : n;
       }
-      float sum[2] = {0.0f, 0.0f};
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      float base[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) base[hf] = row_max[2 * m + hf] == CUPA_NEG_INF ? 0.0f : row_max[2 * m + hf];
 #pragma unroll
       for (int j = 0; j < KEYS / 8; ++j) {
 #pragma unroll
@@ -550,15 +584,21 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
           sum[e >> 1] += s[m][j][e];
         }
       }
-      row_sum[2 * m] = row_sum[2 * m] * c[0] + sum[0];
-      row_sum[2 * m + 1] = row_sum[2 * m + 1] * c[1] + sum[1];
-      if (__any_sync(0xffffffffu, c[0] != 1.0f || c[1] != 1.0f)) {
+      row_sum[2 * m] = row_sum[2 * m] * c[m][0] + sum[0];
+      row_sum[2 * m + 1] = row_sum[2 * m + 1] * c[m][1] + sum[1];
+    }
+    bool rescale = false;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) rescale = rescale || c[m][0] != 1.0f || c[m][1] != 1.0f;
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
-          o[m][n][0] *= c[0];
-          o[m][n][1] *= c[0];
-          o[m][n][2] *= c[1];
-          o[m][n][3] *= c[1];
+          o[m][n][0] *= c[m][0];
+          o[m][n][1] *= c[m][0];
+          o[m][n][2] *= c[m][1];
+          o[m][n][3] *= c[m][1];
         }
       }
     }
@@ -603,7 +643,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       const int i = 2 * m + hf;
       const int row = my_row(i);
       const bool live = sHi[row] > sLo[row];
-      const float sink = has_sink ? Act<T>::to_float(head_sink[g * G + (gi_first + row) % G]) : 0.0f;
+      const float sink = has_sink ? Act<T>::to_float(head_sink[sHead[row]]) : 0.0f;
       // finalize() of a unit O is the row's factor (sink and 1/L; 0 without admitted keys), so
       // each channel costs one multiply instead of a division.
       const float factor = live ? finalize(row_max[i] * CUPA_LN2, row_sum[i], 1.0f, has_sink, sink, 1.0f) : 0.0f;
@@ -622,8 +662,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     const int r = warp_row0 + c / (D / 8), col = (c % (D / 8)) * 8;
     const int tok = sTok[r];
     if (tok < 0) continue;
-    const int h = g * G + (gi_first + r) % G;
-    *reinterpret_cast<uint4*>(out + ((long long)tok * H + h) * D + col) =
+    *reinterpret_cast<uint4*>(out + ((long long)tok * H + sHead[r]) * D + col) =
         *reinterpret_cast<const uint4*>(sQ + swz<D>(r, col));
   }
 }
