@@ -102,8 +102,10 @@ class DecodeBackend:
         with call:
             if r is None:
                 r = recipes[call.device_id] = self._recipe(p, call)
-            # Q workspace (unless the kernel reads `query` itself) and split partials: one allocation, kept alive.
-            base = launch.workspace(r.nbytes).ptr if r.nbytes else 0
+            # Q workspace (unless the kernel reads `query` itself) and split partials: one allocation, held
+            # (by `ws`) until the launches are enqueued, and by a capture for the graph's life.
+            ws = launch.workspace(r.nbytes) if r.nbytes else None
+            base = ws.ptr if ws is not None else 0
             if r.split:
                 ptrs = call.ptrs + [base, call.output.data.ptr, base + r.part_o, base + r.part_ml, base + r.counters]
             else:
