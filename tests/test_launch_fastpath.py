@@ -61,7 +61,7 @@ def kernel_signatures() -> dict:
 
 
 class _MemoryPointer:
-    __slots__ = ("ptr", "device_id", "size")
+    __slots__ = ("ptr", "device_id", "size", "__weakref__")
 
     def __init__(self, ptr, device_id, size):
         self.ptr, self.device_id, self.size = ptr, device_id, size
@@ -452,6 +452,29 @@ def test_workspace_carving_is_aligned_and_disjoint(case):
         assert part_ml >= part_o + N * H * splits * D * 4
         assert counters >= part_ml + N * H * splits * 8
         assert fake.allocations[-1] >= counters - base + N * Hk * 4
+
+
+def test_workspace_outlives_the_launches():
+    """The call's workspace is released only after every kernel reading it was enqueued (a block freed
+    before the launch can be handed out again, or unmapped under a plain cudaMalloc allocator)."""
+    import gc
+    import weakref
+
+    fake = FakeCupy()
+    with fake_cupy(fake):
+        x, o, _ = _run(fake, "decode_b8_long_split", out=True)   # warm: the recipe exists
+        freed_at, real_alloc = [], fake.cuda.alloc
+
+        def alloc(nbytes):
+            mp = real_alloc(nbytes)
+            weakref.finalize(mp, lambda: freed_at.append(len(fake.launches)))
+            return mp
+
+        fake.cuda.alloc = alloc
+        fake.launches.clear()
+        cupa.PagedAttention(num_heads=32, kv_num_heads=8)(**x, out=o)
+        gc.collect()
+        assert len(fake.launches) == 2 and freed_at == [2], freed_at
 
 
 def test_no_workspace_without_splits_or_q_transform():
