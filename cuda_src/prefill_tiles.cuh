@@ -1,0 +1,127 @@
+// Pieces shared by the prefill kernels (prefill.cu: mma.sync; prefill_wgmma.cu: sm_90a wgmma):
+// the tile numbering over a ragged batch (owner_origin, seq_first_tile, tile_owner), the zero pass
+// for tokens no sequence owns, a division by the run-time block size without a divide, and the
+// shared-space cp.async / ldmatrix / ex2 wrappers. Moved here unchanged from prefill.cu.
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+#include "paged.cuh"
+
+constexpr int RANGE_NONE_LO = 0x7fffffff;  // neutral elements of min/max over empty key ranges
+constexpr int RANGE_NONE_HI = -0x7fffffff - 1;
+#define CUPA_LOG2E 1.4426950408889634f
+#define CUPA_LN2 0.6931471805599453f
+
+// n / d for 0 <= n < 2^31 and a run-time d >= 1 without a division: q = (umulhi(n, mul) + n) >> shift
+// with shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1 (exact in that range).
+struct FastDiv {
+  unsigned mul, shift;
+  CUPA_DEVICE explicit FastDiv(int d) {
+    unsigned s = 0;
+    while ((1ull << s) < (unsigned long long)d) ++s;
+    shift = s;
+    mul = (unsigned)(((1ull << 32) * ((1ull << s) - (unsigned long long)d)) / (unsigned long long)d + 1ull);
+  }
+  CUPA_DEVICE int div(int n) const { return (int)((__umulhi((unsigned)n, mul) + (unsigned)n) >> shift); }
+};
+
+// 2^x in one MUFU (ex2.approx.ftz: exp2(-inf) = 0).
+CUPA_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// cp.async and ldmatrix on shared-space addresses (no generic-to-shared conversion per use).
+// copy == 0: the 16 bytes are zero-filled and the source is not read (ignore-src).
+CUPA_DEVICE void cp_async_16_to(unsigned saddr, const void* gmem, int copy) {
+  asm volatile("{\n .reg .pred p;\n setp.eq.s32 p, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n"
+               ::"r"(saddr), "l"(gmem), "r"(copy));
+}
+CUPA_DEVICE void ldsm_x4(unsigned (&r)[4], unsigned saddr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));
+}
+CUPA_DEVICE void ldsm_x4_trans(unsigned (&r)[4], unsigned saddr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));
+}
+
+// The first packed token whose owner (find_owner in paged.cuh) is >= b, clamped to [0, N].
+// find_owner is non-decreasing in t for ANY cum (each probe's test cum[mid+1] > t can only turn
+// from true to false as t grows), so sequence b owns only tokens in [origin(b), origin(b+1)):
+// these intervals never overlap, whatever cum holds. Walking the search path toward b, a left turn
+// at probe c contributes min(c, .) and a right turn max(c, .) to that first token; the walk keeps
+// their composition as a clamp [lo_t, hi_t] and the answer is lo_t.
+CUPA_DEVICE int owner_origin(const int* cum, int batch_size, int b, int token_count) {
+  long long lo_t = -(1LL << 40), hi_t = 1LL << 40;
+  int lo = 0, hi = batch_size;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    const long long c = __ldg(cum + mid + 1);
+    if (b <= mid) {
+      hi_t = max(lo_t, min(hi_t, c));
+      hi = mid;
+    } else {
+      lo_t = min(hi_t, max(lo_t, c));
+      lo = mid + 1;
+    }
+  }
+  return (int)min(max(lo_t, 0LL), (long long)token_count);
+}
+
+// First tile index of sequence b on the shared tile axis: floor(origin(b)*G / rows) + b.
+// Strictly increasing in b, and sequence b's tiles [first(b), first(b) + ceil((origin(b+1) -
+// origin(b))*G / rows)) end at or before first(b+1).
+CUPA_DEVICE long long seq_first_tile(const int* cum, int batch_size, int b, int token_count, int group, int rows) {
+  return (long long)owner_origin(cum, batch_size, b, token_count) * group / rows + b;
+}
+
+// The sequence whose tiles hold tile x: the largest b in [0, B) with seq_first_tile(b) <= x, or -1.
+// The whole warp searches (32 probes a round: log32(B) rounds of one origin walk each).
+CUPA_DEVICE int tile_owner(const int* cum, int batch_size, int token_count, long long x, int group, int rows,
+                           int lane) {
+  // Invariant: lo == 0 or first_tile(lo - 1) <= x; hi == B or first_tile(hi) > x.
+  int lo = 0, hi = batch_size;
+  while (hi > lo) {
+    const int stride = (hi - lo + 31) / 32;
+    const int probe = (int)min((long long)lo + (long long)(lane + 1) * stride - 1, (long long)hi - 1);
+    const bool above = seq_first_tile(cum, batch_size, probe, token_count, group, rows) > x;
+    const unsigned mask = __ballot_sync(0xffffffffu, above);
+    if (mask == 0) {  // the last lane probed hi - 1
+      lo = hi;
+      break;
+    }
+    const int f = __ffs(mask) - 1;
+    const int new_hi = __shfl_sync(0xffffffffu, probe, f);
+    const int before = __shfl_sync(0xffffffffu, probe, f > 0 ? f - 1 : 0);
+    if (f > 0) lo = before + 1;
+    hi = new_hi;
+  }
+  return lo - 1;
+}
+
+// The zero pass: CTA z zeroes the output rows of the tokens in [z*THREADS, (z+1)*THREADS) that no
+// sequence owns (t >= cum[B], or cum[find_owner(t)] > t). The attention CTAs write exactly the
+// rows of owned tokens, so every output element is written once per call.
+template <typename T, int WARPS>
+CUPA_DEVICE void prefill_zero_pass(T* __restrict__ out, const int* __restrict__ cum, int batch_size, int token_count,
+                                   int num_heads, int head_size) {
+  constexpr int THREADS = WARPS * 32;
+  __shared__ int unowned[THREADS];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const long long t0 = (long long)blockIdx.x * THREADS;
+  const long long t = t0 + tid;
+  bool zero = false;
+  if (t < token_count) {
+    const int b = find_owner(cum, batch_size, (int)t);
+    zero = b >= batch_size || __ldg(cum + b) > t;
+  }
+  unowned[tid] = zero;
+  if (!__syncthreads_or(zero)) return;
+  const long long row_chunks = (long long)num_heads * head_size / 8;  // 16-byte chunks per token
+  for (int i = warp; i < THREADS; i += WARPS) {
+    if (!unowned[i]) continue;
+    uint4* row = reinterpret_cast<uint4*>(out + (t0 + i) * num_heads * head_size);
+    for (long long c = lane; c < row_chunks; c += 32) row[c] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
