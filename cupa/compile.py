@@ -4,7 +4,9 @@ Compiles every specialization of ``cupa.kernels.registry.all_specializations()``
 architecture with NVRTC (no GPU needed) and prints one line per specialization x arch: registers,
 spill stores/loads, static shared memory, stack and compile time, then a summary. A WARNING line
 marks each kernel that spills (reported, not fatal). The exit status is 1 when any compile fails,
-2 when the registry cannot be loaded, 0 otherwise. ``--list`` prints the registry.
+2 when the registry cannot be loaded, 0 otherwise. ``--list`` prints the registry. A specialization
+pinned to an arch-specific target (``Specialization.arch``: the sm_90a wgmma prefill) is compiled
+for that target only, once, when an architecture of the same number (sm_90) is checked.
 
 NVRTC releases the GIL while it compiles, so a thread pool runs ``--jobs`` compiles at once. Run as
 a program it sets ``CUDA_CACHE_DISABLE=1`` (where a driver is installed, NVRTC would otherwise serve
@@ -48,10 +50,29 @@ def registry_specializations() -> list:
     return specs
 
 
+def _arch_number(arch: str) -> str:
+    return re.sub(r"[af]$", "", arch)
+
+
+def compile_tasks(specs, archs) -> list:
+    """(spec, arch) pairs to compile: a portable spec for every arch; a spec pinned to an arch-specific
+    target (``spec.arch``, e.g. sm_90a) once, for its own target, when an arch of the same number
+    (sm_90 or sm_90a) is among ``archs`` (plain sm_90 cannot compile wgmma)."""
+    numbers = {_arch_number(a) for a in archs}
+    tasks = []
+    for s in dict.fromkeys(specs):
+        if s.arch:
+            if _arch_number(s.arch) in numbers:
+                tasks.append((s, s.arch))
+        else:
+            tasks.extend((s, a) for a in archs)
+    return list(dict.fromkeys(tasks))
+
+
 def check(specs, archs, jobs: int, out=None, verbose: bool = False) -> list:
     """Compile ``specs`` x ``archs`` on ``jobs`` threads, printing a line as each finishes."""
     out = sys.stdout if out is None else out
-    tasks = [(s, a) for s in dict.fromkeys(specs) for a in archs]
+    tasks = compile_tasks(specs, archs)
     results: list = []
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = [pool.submit(compile_offline, s, a) for s, a in tasks]
@@ -96,7 +117,8 @@ def main(argv=None) -> int:
 
     if args.list:
         for s in specs:
-            print(f"{s.family:<12} {s.name_expression}" + (f"  [{' '.join(s.options)}]" if s.options else ""))
+            print(f"{s.family:<12} {s.name_expression}" + (f"  [{' '.join(s.options)}]" if s.options else "")
+                  + (f"  (only {s.arch})" if s.arch else ""))
         print(f"{len(specs)} specializations")
         return 0
 
@@ -105,8 +127,11 @@ def main(argv=None) -> int:
     if bad or not archs:
         parser.error(f"--arch: got {args.arch!r}; expected real architectures like sm_80,sm_90,sm_90a")
     major, minor = nvrtc_version()
-    print(f"NVRTC {major}.{minor}; headers: {cuda_include_dirs()[0]}; {len(specs)} specializations x "
-          f"{len(archs)} archs ({', '.join(archs)}) on {args.jobs} threads", flush=True)
+    pinned = sum(1 for s in dict.fromkeys(specs) if s.arch)
+    print(f"NVRTC {major}.{minor}; headers: {cuda_include_dirs()[0]}; {len(specs) - pinned} specializations x "
+          f"{len(archs)} archs ({', '.join(archs)})"
+          + (f" + {pinned} pinned to an arch-specific target (compiled for it when its number is checked)"
+             if pinned else "") + f" on {args.jobs} threads", flush=True)
     start = time.perf_counter()
     results = check(specs, archs, args.jobs, verbose=args.verbose)
     wall = time.perf_counter() - start

@@ -132,11 +132,17 @@ class Specialization:
     options : tuple of str
         Extra NVRTC options (``-D...``, ``-maxrregcount=...``), after :data:`COMMON_OPTIONS`. The
         architecture is not one of them: RawModule picks the device's, compile_offline takes ``arch``.
+    arch : str
+        Empty for portable kernels. An arch-specific target (``"sm_90a"``: wgmma, setmaxnreg) pins
+        the kernel to it: :func:`get_kernel` then compiles it offline for that arch (cached on
+        disk, see :func:`get_kernel`) instead of through RawModule, and ``python -m cupa.compile``
+        compiles it for that arch only, whenever an architecture of the same number is checked.
     """
 
     family: str
     name_expression: str
     options: tuple = field(default=())
+    arch: str = ""
 
     def __post_init__(self):
         if not self.family or "/" in self.family or self.family.endswith(".cu"):
@@ -148,6 +154,9 @@ class Specialization:
         if arch:
             raise ValueError(f"Specialization.options: got {arch}; the architecture is chosen by the route "
                              "(the device for get_kernel, the arch argument for compile_offline)")
+        if self.arch and not re.fullmatch(r"sm_\d+[af]", self.arch):
+            raise ValueError(f"Specialization.arch: got {self.arch!r}; expected '' or an arch-specific target "
+                             "like 'sm_90a'")
 
     @property
     def filename(self) -> str:
@@ -155,7 +164,8 @@ class Specialization:
 
     def __str__(self) -> str:
         extra = f" [{' '.join(self.options)}]" if self.options else ""
-        return f"{self.family}:{self.name_expression}{extra}"
+        pinned = f" @{self.arch}" if self.arch else ""
+        return f"{self.family}:{self.name_expression}{extra}{pinned}"
 
 
 class KernelCompileError(RuntimeError):
@@ -192,6 +202,12 @@ def get_kernel(spec: Specialization):
     Compiled once per ``(spec, device)`` and memoized (thread-safe); CuPy's disk cache makes a
     later process skip NVRTC. Raises :class:`KernelCompileError` with NVRTC's log on failure, and
     ``cupa.graphs.GraphCaptureError`` instead of compiling while a CUDA-graph capture is active.
+
+    A specialization pinned to an arch-specific target (``spec.arch``, e.g. ``"sm_90a"``) is compiled
+    with :func:`compile_offline` for that arch and loaded with :func:`load_cubin`; its cubin and
+    lowered name are cached under ``$CUPA_CACHE_DIR/cubin`` keyed on a hash of the inlined source,
+    the options, the arch and the NVRTC version (so an edited header never loads a stale cubin).
+    The caller checks that the device runs that arch.
     """
     cupy = _cupy_module()
     device_id = cupy.cuda.runtime.getDevice()
@@ -205,6 +221,10 @@ def get_kernel(spec: Specialization):
     with _modules_lock:
         kernel = _modules.get(key)
         if kernel is not None:
+            return kernel
+        if spec.arch:
+            kernel = _pinned_kernel(spec)
+            _modules[key] = kernel
             return kernel
         code = source_text(spec.filename)
         options = COMMON_OPTIONS + spec.options
@@ -221,6 +241,41 @@ def get_kernel(spec: Specialization):
         return kernel
 
 
+def _cache_dir() -> Path:
+    return Path(os.environ.get("CUPA_CACHE_DIR") or Path.home() / ".cache" / "cupa") / "cubin"
+
+
+def pinned_cache_key(spec: Specialization) -> str:
+    """The disk-cache key of a pinned specialization's cubin: source, options, arch, NVRTC version."""
+    h = hashlib.sha256()
+    for part in (source_text(spec.filename), "\0".join(offline_options(spec, spec.arch)), spec.name_expression,
+                 spec.arch, repr(nvrtc_version())):
+        h.update(part.encode())
+        h.update(b"\x01")
+    return h.hexdigest()[:32]
+
+
+def _pinned_kernel(spec: Specialization):
+    """Compile (or fetch from the disk cache) a pinned specialization's cubin and load it."""
+    cache = _cache_dir()
+    key = pinned_cache_key(spec)
+    path, name_path = cache / f"{key}.cubin", cache / f"{key}.name"
+    if not (path.is_file() and name_path.is_file()):
+        start = time.perf_counter()
+        r = compile_offline(spec, spec.arch, keep_cubin=True)
+        if not r.ok:
+            raise KernelCompileError(spec, r.log, spec.arch)
+        log.debug("cupa: compiled %s for %s in %.3f s", spec, spec.arch, time.perf_counter() - start)
+        cache.mkdir(parents=True, exist_ok=True)
+        for target, data in ((path, r.cubin), (name_path, r.lowered_name.encode())):
+            tmp = target.with_suffix(f"{target.suffix}.{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+    else:
+        log.debug("cupa: %s for %s from the cubin cache (%s)", spec, spec.arch, path)
+    return load_cubin(path, name_path.read_text())
+
+
 def load_cubin(cubin: Union[str, Path, bytes], kernel_name: str):
     """Load a kernel from a cubin (a path, or bytes from :func:`compile_offline`) as a ``cupy.RawKernel``.
 
@@ -231,7 +286,7 @@ def load_cubin(cubin: Union[str, Path, bytes], kernel_name: str):
     cupy = _cupy_module()
     if isinstance(cubin, (bytes, bytearray)):
         digest = hashlib.sha256(cubin).hexdigest()[:32]
-        cache = Path(os.environ.get("CUPA_CACHE_DIR") or Path.home() / ".cache" / "cupa") / "cubin"
+        cache = _cache_dir()
         cache.mkdir(parents=True, exist_ok=True)
         path = cache / f"{digest}.cubin"
         if not path.is_file():

@@ -3,7 +3,8 @@
 Every specialization the dispatcher can ask for is listed here, so ``python -m cupa.compile
 --check`` compiles exactly what can run. Head size, GQA group and block size are run-time
 parameters of the decode kernel; T, the cache type and the head chunk are template values.
-The prefill kernel is specialized on T, the cache type and the head size (its tile shape).
+The prefill kernel is specialized on T, the cache type and the head size (its tile shape). The
+wgmma prefill (sm_90a only) is pinned to its arch: ``Specialization.arch``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ def prefill_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
         "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
 
 
+def prefill_wgmma_spec(dtype: str, head_size: int = 128) -> Specialization:
+    """The Hopper wgmma prefill (T caches only), pinned to sm_90a: compiled offline and loaded as a cubin."""
+    return Specialization(
+        "prefill_wgmma", f"paged_prefill_wgmma<{types.act(dtype)}, {types.cache('T', dtype)}, {head_size}>",
+        arch="sm_90a")
+
+
 def all_specializations() -> list:
     specs = []
     for dtype in types.ACT_CXX:
@@ -46,6 +54,9 @@ def all_specializations() -> list:
     for dtype in PREFILL_DTYPES:
         for kind in types.CACHE_CXX:
             specs.extend(prefill_spec(dtype, kind, d) for d in PREFILL_HEAD_SIZES)
+    from .prefill_wgmma import WGMMA_DTYPES, WGMMA_HEAD_SIZES
+
+    specs.extend(prefill_wgmma_spec(dtype, d) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES)
     return specs
 
 
@@ -53,5 +64,8 @@ def backends() -> list:
     """CUDA backends in priority order: the first that supports and prefers a call runs it."""
     from .decode import BACKEND as decode
     from .prefill import BACKEND as prefill
+    from .prefill_wgmma import BACKEND as prefill_wgmma
 
-    return [prefill, decode]
+    # prefill_wgmma declines every call unless CUPA_PREFILL_WGMMA=1 on a compute-capability-9.0
+    # device (fp16/bf16, T caches, head_size 128); whatever it declines goes to the mma.sync prefill.
+    return [prefill_wgmma, prefill, decode]
