@@ -1,0 +1,140 @@
+"""Dispatch rules of the Hopper wgmma prefill, without a GPU.
+
+The backend must decline (and explain() must say why) unless CUPA_PREFILL_WGMMA=1, the device has
+compute capability 9.0, T is float16/bfloat16, the caches hold T and head_size is 128; everything
+it declines keeps going to the mma.sync prefill (or decode). The device is faked: dispatch is told
+the inputs live on a device and the backend is told the device's compute capability.
+"""
+
+import numpy as np
+import pytest
+
+import cupa
+from cupa import compile as cupa_compile
+from cupa import dispatch, jit
+from cupa.kernels import prefill_wgmma, registry
+from tests import gpu_cases as gc
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Inputs count as device arrays; the device reports compute capability 9.0 unless a test changes it."""
+    monkeypatch.setattr(dispatch, "is_host_call", lambda inputs: False)
+    state = {"cc": (9, 0)}
+    monkeypatch.setattr(prefill_wgmma, "device_capability", lambda: state["cc"])
+    monkeypatch.delenv(prefill_wgmma.ENV_VAR, raising=False)
+    return state
+
+
+def problem_of(rng, **kw):
+    args = dict(q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
+    args.update(kw)
+    inputs, attrs = gc.build(rng, **args)
+    op = cupa.PagedAttention(**attrs)
+    bound = op._bind((), inputs)
+    return op._problem(bound), bound
+
+
+def chosen(rng, **kw) -> str:
+    problem, inputs = problem_of(rng, **kw)
+    return dispatch.select_backend(problem, inputs).name
+
+
+def explain(rng, **kw) -> str:
+    problem, inputs = problem_of(rng, **kw)
+    return dispatch.explain(problem, inputs)
+
+
+def test_registered_before_the_mma_sync_prefill():
+    names = [b.name for b in registry.backends()]
+    assert names.index("prefill_wgmma") < names.index("prefill") < names.index("decode")
+
+
+def test_off_without_the_environment_variable(fake_device, rng, monkeypatch):
+    assert chosen(rng) == "prefill"
+    text = explain(rng)
+    assert "prefill_wgmma: not eligible" in text and "CUPA_PREFILL_WGMMA=1" in text and "prefill: chosen" in text
+    for value in ("0", "", "true", "yes"):
+        monkeypatch.setenv(prefill_wgmma.ENV_VAR, value)
+        assert chosen(rng) == "prefill", value
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_on_for_the_covered_case(fake_device, rng, monkeypatch, dtype):
+    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
+    assert chosen(rng, dtype=dtype) == "prefill_wgmma"
+    text = explain(rng, dtype=dtype)
+    assert "prefill_wgmma: chosen" in text and "wgmma" in text and "prefill: eligible but not preferred" in text, text
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (8, 9), (10, 0), (12, 0), None])
+def test_not_on_other_devices(fake_device, rng, monkeypatch, cc):
+    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
+    fake_device["cc"] = cc
+    assert chosen(rng) == "prefill"
+    assert "needs compute capability 9.0" in explain(rng)
+
+
+@pytest.mark.parametrize("D", [64, 256])
+def test_not_for_other_head_sizes(fake_device, rng, monkeypatch, D):
+    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
+    assert chosen(rng, D=D) == "prefill"
+    assert f"head_size {D}" in explain(rng, D=D)
+
+
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+def test_not_for_quantized_caches(fake_device, rng, monkeypatch, cache):
+    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
+    assert chosen(rng, cache=cache) == "prefill"
+    assert f"{cache} cache" in explain(rng, cache=cache)
+
+
+def test_not_for_float32_or_decode_shaped_calls(fake_device, rng, monkeypatch):
+    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
+    assert chosen(rng, dtype="float32") == "decode"
+    assert chosen(rng, q_lens=[1, 1]) == "decode"  # token_count <= batch_size: decode-shaped
+
+
+def test_launch_plan_and_shared_memory(rng):
+    problem, _ = problem_of(rng, q_lens=[300, 0, 5], past=[0, 0, 0], H=32, Hk=8)
+    plan = prefill_wgmma.launch_plan(problem)
+    assert plan["rows"] == 128 and plan["threads"] == 256
+    assert plan["num_tiles"] == (305 * 4) // 128 + 3
+    assert plan["zero_ctas"] == 2 and plan["grid"] == 2 + plan["num_tiles"] * 8
+    # Q 32 KB + 2 stages x (K + V) 64 KB + row tables + 1 KB alignment: two CTAs fit an H100/H200 SM.
+    assert prefill_wgmma.shared_bytes(problem) == 32768 + 65536 + 3 * 64 * 12 + 3 * 2 * 4 + 1024
+    assert 2 * (prefill_wgmma.shared_bytes(problem) + 4096) <= 228 * 1024
+
+
+def test_pinned_specializations_and_compile_tasks():
+    pinned = [s for s in registry.all_specializations() if s.family == "prefill_wgmma"]
+    assert len(pinned) == 2 and all(s.arch == "sm_90a" for s in pinned)
+    assert "@sm_90a" in str(pinned[0])
+    portable = jit.Specialization("decode", "k")
+    tasks = cupa_compile.compile_tasks([portable] + pinned, ["sm_80", "sm_90"])
+    assert tasks == [(portable, "sm_80"), (portable, "sm_90")] + [(s, "sm_90a") for s in pinned]
+    assert cupa_compile.compile_tasks(pinned, ["sm_80"]) == []
+    assert cupa_compile.compile_tasks(pinned, ["sm_90", "sm_90a"]) == [(s, "sm_90a") for s in pinned]
+    with pytest.raises(ValueError, match="arch"):
+        jit.Specialization("decode", "k", arch="sm_90")
+
+
+def test_pinned_cache_key_follows_options_and_source():
+    a = registry.prefill_wgmma_spec("float16")
+    b = jit.Specialization(a.family, a.name_expression, ("-DCUPA_WGMMA_PV_SPLIT_N=1",), arch=a.arch)
+    assert jit.pinned_cache_key(a) == jit.pinned_cache_key(a) != jit.pinned_cache_key(b)
+    assert jit.pinned_cache_key(a) != jit.pinned_cache_key(registry.prefill_wgmma_spec("bfloat16"))
+
+
+def test_wgmma_kernel_compiles_for_sm_90a_without_spills():
+    try:
+        jit.nvrtc_version()
+    except Exception as exc:  # pragma: no cover - NVRTC missing
+        pytest.skip(f"NVRTC unavailable: {exc}")
+    for dtype in prefill_wgmma.WGMMA_DTYPES:
+        r = jit.compile_offline(registry.prefill_wgmma_spec(dtype), "sm_90a", keep_cubin=True)
+        assert r.ok, r.log
+        assert r.cubin and r.lowered_name.startswith("_Z19paged_prefill_wgmma")
+        if r.has_stats:
+            assert not r.spills, r.summary()
+            assert "wgmma.mma_async instructions are serialized" not in r.log, r.log

@@ -1,0 +1,231 @@
+"""The Hopper wgmma prefill (CUPA_PREFILL_WGMMA=1, compute capability 9.0) against the NumPy reference.
+
+Every case switches the backend on (monkeypatch + fresh ops: paged_attention() reuses cached ops,
+whose memo holds the backend choice, so the cache is cleared on both sides of each test), asserts
+that dispatch picks ``prefill_wgmma``, then checks every output element and cache byte
+(tests/gpu_cases.py). Skipped without a device, and on devices other than compute capability 9.0.
+
+First run on an H200: ``pytest -q tests/test_prefill_wgmma_gpu.py -x -k smoke`` (one small case), then
+the whole file. If the smoke case fails with a wrong result (not a crash), rerun it with
+``CUPA_WGMMA_PV_SPLIT_N=1`` in mind (see prefill_wgmma.cu: the P V product without the descriptor's
+leading byte offset) -- that switch is a compile option, so it needs a Specialization with
+``-DCUPA_WGMMA_PV_SPLIT_N=1``; test_split_n_variant below does exactly that.
+"""
+
+import numpy as np
+import pytest
+
+import cupa
+from cupa import api, jit
+from cupa.kernels import prefill_wgmma, registry
+from tests import gpu_cases as gc
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(prefill_wgmma.device_capability() not in (None, (9, 0)),
+                       reason="the wgmma prefill needs compute capability 9.0 (sm_90a)"),
+]
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def wgmma_on(monkeypatch):
+    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
+    api._bound_op.cache_clear()
+    yield
+    api._bound_op.cache_clear()
+
+
+def chosen_backend(cp, inputs, attrs, metadata=None) -> str:
+    text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs), attention_metadata=metadata)
+    return next(line.split(":")[0] for line in text.splitlines() if ": chosen" in line)
+
+
+def check_wgmma(cp, inputs, attrs, *, dtype="float16", metadata=None):
+    assert chosen_backend(cp, inputs, attrs, metadata) == "prefill_wgmma"
+    return gc.check_against_reference(cp, inputs, attrs, dtype=dtype, metadata=metadata)
+
+
+def reversed_positions(inputs):
+    cum, past = inputs["cumulative_sequence_length"], inputs["past_seqlens"]
+    pos = inputs["query_positions"]
+    for b in range(len(past)):
+        pos[cum[b]:cum[b + 1]] = pos[cum[b]:cum[b + 1]][::-1]
+
+
+# ---- first: one small case -------------------------------------------------------------------
+
+def test_smoke_one_tile(cp, rng, wgmma_on):
+    """One sequence of 16 tokens, MHA, block 16: one row tile, one key tile."""
+    inputs, attrs = gc.build(rng, q_lens=[16], past=[0], H=4, Hk=4, D=128, block_size=16)
+    check_wgmma(cp, inputs, attrs)
+
+
+def test_smoke_not_causal_full_tiles(cp, rng, wgmma_on):
+    """Every row sees every key of two whole key tiles (the interior path, no per-element mask)."""
+    inputs, attrs = gc.build(rng, q_lens=[64], past=[64], H=2, Hk=1, D=128, block_size=64, is_causal=0)
+    check_wgmma(cp, inputs, attrs)
+
+
+# ---- the matrix ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
+def test_block_sizes(cp, rng, wgmma_on, block_size):
+    inputs, attrs = gc.build(rng, q_lens=[70, 0, 130], past=[0, 5, 40], H=8, Hk=2, D=128, block_size=block_size)
+    check_wgmma(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("is_causal", [0, 1])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_causal_and_not(cp, rng, wgmma_on, is_causal, dtype):
+    inputs, attrs = gc.build(rng, q_lens=[90, 33], past=[17, 0], H=8, Hk=2, D=128, is_causal=is_causal,
+                             dtype=dtype)
+    check_wgmma(cp, inputs, attrs, dtype=dtype)
+
+
+@pytest.mark.parametrize("past", [0, 1000])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_chunked_prefill(cp, rng, wgmma_on, past, dtype):
+    inputs, attrs = gc.build(rng, q_lens=[300], past=[past], H=8, Hk=2, D=128, block_size=16, dtype=dtype)
+    check_wgmma(cp, inputs, attrs, dtype=dtype)
+
+
+def test_ragged_zero_token_sequences(cp, rng, wgmma_on):
+    inputs, attrs = gc.build(rng, q_lens=[37, 0, 64, 0, 1, 200, 0], past=[0, 9, 0, 3, 50, 12, 0], H=8, Hk=2,
+                             D=128)
+    check_wgmma(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("H,Hk", [(32, 8), (4, 4), (8, 1)])
+def test_groups(cp, rng, wgmma_on, H, Hk):
+    inputs, attrs = gc.build(rng, q_lens=[100, 57], past=[0, 30], H=H, Hk=Hk, D=128, block_size=16, rotary=True)
+    check_wgmma(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_window_sink_softcap(cp, rng, wgmma_on, dtype):
+    inputs, attrs = gc.build(rng, q_lens=[90, 3, 140], past=[50, 7, 0], H=8, Hk=2, D=128, window=33, sink=True,
+                             softcap=30.0, dtype=dtype)
+    check_wgmma(cp, inputs, attrs, dtype=dtype)
+
+
+@pytest.mark.parametrize("window", [1, 24, 100])
+def test_window_not_causal(cp, rng, wgmma_on, window):
+    inputs, attrs = gc.build(rng, q_lens=[80, 41], past=[30, 200], H=8, Hk=2, D=128, window=window, is_causal=0)
+    check_wgmma(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("is_causal", [0, 1])
+def test_query_positions_reversed(cp, rng, wgmma_on, is_causal):
+    inputs, attrs = gc.build(rng, q_lens=[50, 70], past=[10, 0], H=8, Hk=2, D=128, query_positions=True,
+                             is_causal=is_causal)
+    reversed_positions(inputs)
+    check_wgmma(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("table", ["shared", "unmapped"])
+def test_block_tables(cp, rng, wgmma_on, table):
+    inputs, attrs = gc.build(rng, q_lens=[60, 45], past=[40, 70], H=8, Hk=2, D=128, block_size=16, block_table=table)
+    check_wgmma(cp, inputs, attrs)
+
+
+def test_malformed_lengths_and_blocks(cp, rng, wgmma_on):
+    inputs, attrs = gc.build(rng, q_lens=[12, 9, 30, 17, 6], past=[10, 20, 30, 40, 0], H=8, Hk=2, D=128,
+                             query_positions=True)
+    inputs["past_seqlens"][1] = -5
+    inputs["past_seqlens"][2] = 10**6
+    inputs["block_table"][3, 0] = 10**6
+    inputs["query_positions"][60] = -3
+    check_wgmma(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("layout", ["padding", "leading_gap", "decreasing"])
+def test_malformed_cum(cp, rng, wgmma_on, layout):
+    inputs, attrs = gc.build(rng, q_lens=[20, 35, 9, 40], past=[5, 0, 60, 11], H=8, Hk=2, D=128)
+    cum = inputs["cumulative_sequence_length"]
+    N = int(cum[-1])
+    if layout == "padding":
+        cum[-1] = N - 13
+    elif layout == "leading_gap":
+        cum[0] = 6
+    else:
+        cum[2] = 10
+    check_wgmma(cp, inputs, attrs)
+
+
+def test_prologue_packed_rotary_norm(cp, rng, wgmma_on):
+    inputs, attrs = gc.build(rng, q_lens=[45, 80], past=[20, 0], H=8, Hk=2, D=128, packed=True, rotary=True,
+                             qk_norm=True)
+    check_wgmma(cp, inputs, attrs)
+
+
+def test_metadata_does_not_change_bits(cp, rng, wgmma_on):
+    inputs, attrs = gc.build(rng, q_lens=[150, 20, 77], past=[0, 600, 33], H=16, Hk=4, D=128)
+    outs = []
+    for md in (None, [150, 620], None):
+        fresh = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+        out, _ = check_wgmma(cp, fresh, attrs, metadata=md)
+        outs.append(cp.asnumpy(out).view(np.uint16))
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0]), "attention_metadata or a rerun changed the result bits"
+
+
+def test_graph_capture(cp, rng, wgmma_on):
+    inputs, attrs = gc.build(rng, q_lens=[40, 25], past=[100, 0], H=8, Hk=2, D=128)
+    assert chosen_backend(cp, inputs, attrs) == "prefill_wgmma"
+    gc.check_graph_capture(cp, inputs, attrs, metadata=[40, 140])
+
+
+def test_close_to_the_mma_sync_prefill(cp, rng, monkeypatch):
+    """The two prefill kernels agree far inside the reference tolerance (same inputs, fp32 accumulation)."""
+    inputs, attrs = gc.build(rng, q_lens=[200, 64], past=[100, 0], H=8, Hk=2, D=128)
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(prefill_wgmma.ENV_VAR, flag)
+        api._bound_op.cache_clear()
+        want = "prefill_wgmma" if flag == "1" else "prefill"
+        assert chosen_backend(cp, inputs, attrs) == want
+        fresh = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+        out, _ = gc.check_against_reference(cp, fresh, attrs)
+        outs[flag] = cp.asnumpy(out).astype(np.float32)
+    api._bound_op.cache_clear()
+    assert gc.rel_error(outs["1"], outs["0"]) < 1e-3
+
+
+def test_split_n_variant(cp, rng, wgmma_on, monkeypatch):
+    """The -DCUPA_WGMMA_PV_SPLIT_N=1 build (two m64n64 P V products per step, LBO unused) gives the same result."""
+    base = registry.prefill_wgmma_spec("float16")
+    split = jit.Specialization(base.family, base.name_expression, ("-DCUPA_WGMMA_PV_SPLIT_N=1",), arch=base.arch)
+    monkeypatch.setattr(registry, "prefill_wgmma_spec", lambda dtype, head_size=128: split)
+    inputs, attrs = gc.build(rng, q_lens=[70, 130], past=[0, 40], H=8, Hk=2, D=128)
+    check_wgmma(cp, inputs, attrs)
+
+
+# ---- dispatch on the device --------------------------------------------------------------------
+
+def test_explain_only_when_enabled_and_covered(cp, rng, monkeypatch):
+    inputs, attrs = gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
+    monkeypatch.delenv(prefill_wgmma.ENV_VAR, raising=False)
+    api._bound_op.cache_clear()
+    text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
+    assert "prefill: chosen" in text and "prefill_wgmma: not eligible" in text and "CUPA_PREFILL_WGMMA=1" in text, text
+
+    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
+    text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
+    assert "prefill_wgmma: chosen" in text and "prefill: eligible but not preferred" in text, text
+    for kw, reason in ((dict(D=64), "head_size 64"), (dict(cache="int8"), "int8 cache"),
+                       (dict(dtype="float32"), "T=float32")):
+        inputs, attrs = gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, **{"D": 128, **kw})
+        text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
+        assert "prefill_wgmma: not eligible" in text and reason in text, text
+        assert "prefill_wgmma: chosen" not in text, text
+    # decode-shaped calls stay with the decode backend
+    inputs, attrs = gc.build(rng, q_lens=[1, 1], past=[10, 10], H=8, Hk=2, D=128)
+    assert chosen_backend(cp, inputs, attrs) == "decode"
+    api._bound_op.cache_clear()
