@@ -10,7 +10,11 @@ so it runs full attention over past+new (q*q/2 more FLOPs than the causal proble
 still the peer's). SDPA is timed with enable_gqa=True and with K/V expanded to all heads; the
 faster counts.
 
-    python benchmarks/bench_prefill.py --out benchmarks/results/prefill.json [--quick] [--no-peers]
+Each T-cache case also runs on the Hopper wgmma prefill (cupa_wgmma: CUPA_PREFILL_WGMMA=1, a fresh
+op; compute capability 9.0 only; off with --no-wgmma), with its largest difference from the mma.sync
+prefill's output.
+
+    python benchmarks/bench_prefill.py --out benchmarks/results/prefill.json [--quick] [--no-peers] [--no-wgmma]
 """
 
 from __future__ import annotations
@@ -106,6 +110,44 @@ def bench_cupa(cp, timer, inputs, attrs, q, kv_len, reps):
     return res
 
 
+WGMMA_ENV = "CUPA_PREFILL_WGMMA"
+
+
+def bench_cupa_wgmma(cp, timer, inputs, attrs, q, kv_len, reps):
+    """The same call on the Hopper wgmma prefill (CUPA_PREFILL_WGMMA=1, fresh op), or None where it
+    does not serve the case (not compute capability 9.0, a quantized cache...). Also records the
+    largest difference from the mma.sync prefill's output on the same inputs (a sanity check, not
+    the accuracy test: tests/test_prefill_wgmma_gpu.py is)."""
+    from cupa.kernels import prefill_wgmma
+
+    saved = os.environ.get(WGMMA_ENV)
+    os.environ[WGMMA_ENV] = "1"
+    try:
+        op = cupa.PagedAttention(num_heads=H, kv_num_heads=HK, **attrs)
+        md = np.array([q, kv_len], dtype=np.int32)
+        text = op.explain(**inputs, attention_metadata=md)
+        if "prefill_wgmma: chosen" not in text:
+            return {"skipped": next((ln for ln in text.splitlines() if ln.startswith("prefill_wgmma")), text)}
+        # Both kernels on the same inputs (the prologue rewrites the same cache slots with the same values).
+        out_w = cp.empty_like(inputs["query"])
+        op(**inputs, attention_metadata=md, out=out_w)
+        os.environ[WGMMA_ENV] = "0"
+        out_m = cp.empty_like(inputs["query"])
+        cupa.PagedAttention(num_heads=H, kv_num_heads=HK, **attrs)(**inputs, attention_metadata=md, out=out_m)
+        os.environ[WGMMA_ENV] = "1"
+        diff = float(cp.abs(out_w.astype(cp.float32) - out_m.astype(cp.float32)).max())
+        res = bench_cupa(cp, timer, inputs, attrs, q, kv_len, reps)
+        res["max_abs_diff_vs_mma_sync"] = diff
+        res["config"] = {"rows": prefill_wgmma.ROWS, "threads": prefill_wgmma.THREADS, "keys": prefill_wgmma.KEYS,
+                         "stages": prefill_wgmma.STAGES}
+        return res
+    finally:
+        if saved is None:
+            os.environ.pop(WGMMA_ENV, None)
+        else:
+            os.environ[WGMMA_ENV] = saved
+
+
 def bench_sdpa(timer, B, q, past, dtype, reps):
     """torch SDPA on dense (B, heads, len, D) tensors: enable_gqa and expanded K/V; None without torch."""
     try:
@@ -145,6 +187,8 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/prefill.json")
     ap.add_argument("--quick", action="store_true", help="fewer reps and cases (smoke run)")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--no-wgmma", action="store_true",
+                    help="skip the Hopper wgmma prefill rows (measured with CUPA_PREFILL_WGMMA=1 where it serves)")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -162,6 +206,13 @@ def main(argv=None):
                "dtype": dtype, "cache": cache, "causal_flops": flops, "cupa": r,
                "cupa_tflops": flops / r["median_us"] / 1e6, "target_tflops": TARGET_TFLOPS,
                "spec_peers_tflops": SPEC_PEERS.get(name)}
+        if not args.no_wgmma:
+            w = bench_cupa_wgmma(cp, timer, inputs, attrs, q, past + q, reps)
+            if w is not None and "median_us" in w:
+                row["cupa_wgmma"] = w
+                row["cupa_wgmma_tflops"] = flops / w["median_us"] / 1e6
+            elif w is not None:
+                row["cupa_wgmma"] = w
         del inputs
         cp.get_default_memory_pool().free_all_blocks()
         if not args.no_peers:
@@ -175,11 +226,15 @@ def main(argv=None):
                "flops_formula": "4*H*D*sum_b(q_b*past_b + q_b*(q_b+1)/2)", "results": results}
     write_json(args.out, payload)
     print(f"read probe {roof['tb_per_s']:.2f} TB/s (context only: prefill is compute-bound)")
-    print(f"{'case':44s} {'cupa us':>9s} {'TFLOP/s':>8s} {'sdpa us':>9s} {'vs sdpa':>8s} {'target':>7s}")
+    print(f"{'case':44s} {'cupa us':>9s} {'TFLOP/s':>8s} {'wgmma us':>9s} {'TFLOP/s':>8s} {'sdpa us':>9s} "
+          f"{'vs sdpa':>8s} {'target':>7s}")
     for row in results:
         sd = row.get("torch_sdpa_dense", {}).get("best_us")
         ratio = row.get("speed_ratio_vs_sdpa")
+        wus = row.get("cupa_wgmma", {}).get("median_us")
+        wtf = row.get("cupa_wgmma_tflops")
         print(f"{row['case']:44s} {row['cupa']['median_us']:9.1f} {row['cupa_tflops']:8.1f} "
+              f"{'-' if wus is None else f'{wus:.1f}':>9s} {'-' if wtf is None else f'{wtf:.1f}':>8s} "
               f"{'-' if sd is None else f'{sd:.1f}':>9s} {'-' if ratio is None else f'{ratio:.2f}x':>8s} "
               f"{TARGET_TFLOPS:7.0f}")
 

@@ -6,7 +6,6 @@ it declines keeps going to the mma.sync prefill (or decode). The device is faked
 the inputs live on a device and the backend is told the device's compute capability.
 """
 
-import numpy as np
 import pytest
 
 import cupa
