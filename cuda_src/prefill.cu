@@ -51,8 +51,6 @@ template <> struct PrefillConfig<256> {
 
 constexpr int RANGE_NONE_LO = 0x7fffffff;  // neutral elements of min/max over empty key ranges
 constexpr int RANGE_NONE_HI = -0x7fffffff - 1;
-#define CUPA_LOG2E 1.4426950408889634f
-#define CUPA_LN2 0.6931471805599453f
 
 // n / d for 0 <= n < 2^31 and a run-time d >= 1 without a division: q = (umulhi(n, mul) + n) >> shift
 // with shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1 (exact in that range).
@@ -67,18 +65,7 @@ struct FastDiv {
   CUPA_DEVICE int div(int n) const { return (int)((__umulhi((unsigned)n, mul) + (unsigned)n) >> shift); }
 };
 
-// 2^x in one MUFU (ex2.approx.ftz: exp2(-inf) = 0).
-CUPA_DEVICE float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// cp.async and ldmatrix on shared-space addresses (no generic-to-shared conversion per use).
-// copy == 0: the 16 bytes are zero-filled and the source is not read (ignore-src).
-CUPA_DEVICE void cp_async_16_to(unsigned saddr, const void* gmem, int copy) {
-  asm volatile("{\n .reg .pred p;\n setp.eq.s32 p, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n"
-               ::"r"(saddr), "l"(gmem), "r"(copy));
-}
+// ldmatrix on shared-space addresses (no generic-to-shared conversion per use).
 CUPA_DEVICE void ldsm_x4(unsigned (&r)[4], unsigned saddr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));
@@ -305,7 +292,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
         const int r = c / (D / 8), col = (c % (D / 8)) * 8;
         const bool live = sHi[r] > sLo[r];
         const T* src = live ? q + ((long long)sTok[r] * H + sHead[r]) * D + col : q;
-        cp_async_16_to(sQ_a + 2u * (unsigned)swz<D>(r, col), src, live);
+        cp_async_16_or_zero(sQ_a + 2u * (unsigned)swz<D>(r, col), src, live);
       }
     }
   }
@@ -355,8 +342,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     }
 #pragma unroll
     for (int i = 0; i < KEYS / KSTEP; ++i) {
-      cp_async_16_to(dK + i * KSTEP * D * (int)sizeof(C), k_src + off[i], n[i]);
-      cp_async_16_to(dK + KEYS * D * (int)sizeof(C) + i * KSTEP * D * (int)sizeof(C), v_src + off[i], n[i]);
+      cp_async_16_or_zero(dK + i * KSTEP * D * (int)sizeof(C), k_src + off[i], n[i]);
+      cp_async_16_or_zero(dK + KEYS * D * (int)sizeof(C) + i * KSTEP * D * (int)sizeof(C), v_src + off[i], n[i]);
     }
   };
 
@@ -567,7 +554,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
         const float n = fmaxf(row_max[i], mx[hf] * mul);
         // A row with no admitted key yet (max -inf before and after) has o == 0, sum == 0; its
         // exponent base is 0 so that masked scores (-inf) give exp2(-inf) = 0.
-        c[m][hf] = row_max[i] == n ? 1.0f : fast_exp2(row_max[i] - n);
+        c[m][hf] = row_max[i] == n ? 1.0f : ex2_approx(row_max[i] - n);
         row_max[i] = n;
       }
     }
@@ -580,7 +567,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       for (int j = 0; j < KEYS / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[m][j][e] = fast_exp2(fmaf(s[m][j][e], mul, -base[e >> 1]));
+          s[m][j][e] = ex2_approx(fmaf(s[m][j][e], mul, -base[e >> 1]));
           sum[e >> 1] += s[m][j][e];
         }
       }
