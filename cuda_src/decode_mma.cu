@@ -39,10 +39,6 @@ constexpr int KEY_TILE = 64;
 #ifndef CUPA_MMA8_CTAS
 #define CUPA_MMA8_CTAS 4
 #endif
-// 8-bit V through two m16n8k8 passes (fewer live registers) instead of m16n8k16 (a tuning knob).
-#ifndef CUPA_MMA8_V_K8
-#define CUPA_MMA8_V_K8 0
-#endif
 template <typename Cache> struct MmaStages {
   static constexpr int value = Cache::quantized && CUPA_MMA8_CTAS < 4 ? 4 : 3;
 };
@@ -330,38 +326,6 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       const unsigned char* sVc = st + KEY_TILE * D;
       constexpr int WORDS = D / 32;  // 4-channel words per row and lane
       const int c = lane & 3, chunk = (lane >> 2) * (D / 8) / 16, sub = ((lane >> 2) * (D / 8)) % 16;
-#if CUPA_MMA8_V_K8
-      // Two passes of m16n8k8, keys (2c, 2c+1) then (2c+8, 2c+9): half the V words live at a time.
-#pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        unsigned w[2][WORDS];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int key = warp * 16 + 2 * c + i + pass * 8;
-          const unsigned char* src = sVc + code_v_offset<D>(key, chunk) + sub;
-          if constexpr (WORDS == 4) {
-            const uint4 v = *reinterpret_cast<const uint4*>(src);
-            w[i][0] = v.x;
-            w[i][1] = v.y;
-            w[i][2] = v.z;
-            w[i][3] = v.w;
-          } else {
-            static_assert(WORDS == 2, "head_size 64 or 128");
-            const uint2 v = *reinterpret_cast<const uint2*>(src);
-            w[i][0] = v.x;
-            w[i][1] = v.y;
-          }
-        }
-#pragma unroll
-        for (int x = 0; x < WORDS; ++x) {
-          unsigned b[4];  // per channel 4x + e: this pass's key pair
-          Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x5140), b[0], b[1]);
-          Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x7362), b[2], b[3]);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) MmaK8<T>::run(o[4 * x + e], a[2 * pass], a[2 * pass + 1], b[e]);
-        }
-      }
-#else
       unsigned w[4][WORDS];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -390,7 +354,6 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
 #pragma unroll
         for (int e = 0; e < 4; ++e) Mma<T>::run(o[4 * x + e], a, b0[e], b1[e]);
       }
-#endif
     } else {
       const T* sV = reinterpret_cast<const T*>(st) + KEY_TILE * D;
 #pragma unroll

@@ -36,20 +36,6 @@ template <> struct Mma<__half> {
     return *reinterpret_cast<unsigned*>(&h);
   }
 };
-// m16n8k8: A = 2 registers (rows r and r+8, k = 2c, 2c+1), B = 1 register (k = 2c, 2c+1).
-template <typename T> struct MmaK8;
-template <> struct MmaK8<__half> {
-  static CUPA_DEVICE void run(float (&d)[4], unsigned a0, unsigned a1, unsigned b0) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(b0));
-  }
-};
-template <> struct MmaK8<__nv_bfloat16> {
-  static CUPA_DEVICE void run(float (&d)[4], unsigned a0, unsigned a1, unsigned b0) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(b0));
-  }
-};
 template <> struct Mma<__nv_bfloat16> {
   static CUPA_DEVICE void run(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"

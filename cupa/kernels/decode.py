@@ -27,8 +27,6 @@ CTAS_PER_SM_TARGET = int(os.environ.get("CUPA_DECODE_CTAS_PER_SM", "2"))
 
 # CTAs per SM of the tensor-core kernel on 8-bit caches: 4 (3 stages, 128 registers) or 3 (4 stages).
 MMA8_CTAS = int(os.environ.get("CUPA_DECODE_MMA8_CTAS", "4"))
-# 8-bit V through two m16n8k8 passes (1) or one m16n8k16 (0); see decode_mma.cu.
-MMA8_V_K8 = int(os.environ.get("CUPA_DECODE_MMA8_V_K8", "0"))
 MMA_ROWS = 16  # query heads per tensor-core CTA (the m16n8k16 tile's rows)
 MMA_HEAD_SIZES = (64, 128)
 
@@ -145,10 +143,8 @@ class DecodeBackend:
         grid = (p.token_count, p.kv_num_heads * head_chunks, num_splits)
         if uses_mma(p):
             spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size)
-            knobs = (() if MMA8_CTAS == 4 else (f"-DCUPA_MMA8_CTAS={MMA8_CTAS}",)) + (
-                () if MMA8_V_K8 == 0 else (f"-DCUPA_MMA8_V_K8={MMA8_V_K8}",))
-            if p.quantized and knobs:
-                spec = jit.Specialization(spec.family, spec.name_expression, knobs)
+            if p.quantized and MMA8_CTAS != 4:
+                spec = jit.Specialization(spec.family, spec.name_expression, (f"-DCUPA_MMA8_CTAS={MMA8_CTAS}",))
             kernel = jit.get_kernel(spec)
             shared = mma_shared_bytes(p)
             launch.ensure_shared_memory(kernel, shared)
