@@ -71,13 +71,6 @@ template <int D> CUPA_DEVICE int code_v_offset(int key, int chunk) {
   return pair * 128 + (((((key & 1) << 2) | chunk) ^ ((pair & 3) << 1)) << 4);
 }
 
-// Copy 16 bytes global -> shared asynchronously, or write 16 zeros without reading the source
-// (copy == 0: cp.async's ignore-src predicate).
-CUPA_DEVICE void cp_async_16_or_zero(unsigned saddr, const void* gmem, int copy) {
-  asm volatile("{\n .reg .pred p;\n setp.eq.s32 p, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n"
-               ::"r"(saddr), "l"(gmem), "r"(copy));
-}
-
 // The cp.async copies of one K/V tile of KEY_TILE rows gathered through the block table: each
 // thread always copies the same 16-byte column of rows key0, key0 + KEY_STEP, ...; every swizzle
 // used here depends only on key bits those steps leave alone, so a thread's destinations are one

@@ -6,9 +6,11 @@
 
 CUPA_DEVICE unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 
-// Copy 16 bytes global -> shared asynchronously; src_bytes == 0 writes zeros (masked rows).
-CUPA_DEVICE void cp_async_16(void* smem, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes));
+// Copy 16 bytes global -> shared asynchronously, or write 16 zeros without reading the source
+// (copy == 0: cp.async's ignore-src predicate). saddr: a shared-space address (smem_addr).
+CUPA_DEVICE void cp_async_16_or_zero(unsigned saddr, const void* gmem, int copy) {
+  asm volatile("{\n .reg .pred p;\n setp.eq.s32 p, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n"
+               ::"r"(saddr), "l"(gmem), "r"(copy));
 }
 CUPA_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> CUPA_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -50,27 +52,4 @@ template <> struct Mma<__nv_bfloat16> {
 // chunks are XOR-swizzled by row % 8 (ROW_ELEMS >= 64).
 template <int ROW_ELEMS> CUPA_DEVICE int swz(int row, int col) {
   return row * ROW_ELEMS + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
-}
-
-// Issue the cp.async copies of one K/V tile of KEYS rows gathered through precomputed element
-// offsets (rows[key] < 0: masked, zero-filled), THREADS threads taking 16-byte chunks in turn.
-// Tiles of 16-bit values are swizzled for ldmatrix; 1-byte code tiles are stored linearly and
-// widened later.
-template <typename C, bool LINEAR, int D, int KEYS, int THREADS>
-CUPA_DEVICE void gather_kv_tile(C* sK, C* sV, const long long* rows, const C* key_cache, const C* value_cache,
-                                int tid) {
-  constexpr int ELEMS_PER_CHUNK = 16 / (int)sizeof(C);
-  constexpr int CHUNKS_PER_ROW = D / ELEMS_PER_CHUNK;
-  static_assert(KEYS * CHUNKS_PER_ROW % THREADS == 0, "whole copy rounds");
-#pragma unroll
-  for (int i = 0; i < KEYS * CHUNKS_PER_ROW / THREADS; ++i) {
-    const int c = tid + i * THREADS;
-    const int key = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * ELEMS_PER_CHUNK;
-    const long long row = rows[key];
-    const long long off = row >= 0 ? row + col : 0;
-    const int bytes = row >= 0 ? 16 : 0;
-    const int dst = LINEAR ? key * D + col : swz<D>(key, col);
-    cp_async_16(sK + dst, key_cache + off, bytes);
-    cp_async_16(sV + dst, value_cache + off, bytes);
-  }
 }

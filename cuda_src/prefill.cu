@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
         const int r = c / (D / 8), col = (c % (D / 8)) * 8;
         const bool live = sHi[r] > sLo[r];
         const T* src = live ? q + ((long long)sTok[r] * H + sHead[r]) * D + col : q;
-        cp_async_16_to(sQ_a + 2u * (unsigned)swz<D>(r, col), src, live);
+        cp_async_16_or_zero(sQ_a + 2u * (unsigned)swz<D>(r, col), src, live);
       }
     }
   }
@@ -237,8 +237,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     }
 #pragma unroll
     for (int i = 0; i < KEYS / KSTEP; ++i) {
-      cp_async_16_to(dK + i * KSTEP * D * (int)sizeof(C), k_src + off[i], n[i]);
-      cp_async_16_to(dK + KEYS * D * (int)sizeof(C) + i * KSTEP * D * (int)sizeof(C), v_src + off[i], n[i]);
+      cp_async_16_or_zero(dK + i * KSTEP * D * (int)sizeof(C), k_src + off[i], n[i]);
+      cp_async_16_or_zero(dK + KEYS * D * (int)sizeof(C) + i * KSTEP * D * (int)sizeof(C), v_src + off[i], n[i]);
     }
   };
 
@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
         const float n = fmaxf(row_max[i], mx[hf] * mul);
         // A row with no admitted key yet (max -inf before and after) has o == 0, sum == 0; its
         // exponent base is 0 so that masked scores (-inf) give exp2(-inf) = 0.
-        c[m][hf] = row_max[i] == n ? 1.0f : fast_exp2(row_max[i] - n);
+        c[m][hf] = row_max[i] == n ? 1.0f : ex2_approx(row_max[i] - n);
         row_max[i] = n;
       }
     }
@@ -462,7 +462,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       for (int j = 0; j < KEYS / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[m][j][e] = fast_exp2(fmaf(s[m][j][e], mul, -base[e >> 1]));
+          s[m][j][e] = ex2_approx(fmaf(s[m][j][e], mul, -base[e >> 1]));
           sum[e >> 1] += s[m][j][e];
         }
       }

@@ -1,16 +1,15 @@
 // Pieces shared by the prefill kernels (prefill.cu: mma.sync; prefill_wgmma.cu: sm_90a wgmma):
 // the tile numbering over a ragged batch (owner_origin, seq_first_tile, tile_owner), the zero pass
 // for tokens no sequence owns, a division by the run-time block size without a divide, and the
-// shared-space cp.async / ldmatrix / ex2 wrappers. Moved here unchanged from prefill.cu.
+// shared-space ldmatrix wrappers. Moved here from prefill.cu.
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
 #include "paged.cuh"
+#include "softmax.cuh"
 
 constexpr int RANGE_NONE_LO = 0x7fffffff;  // neutral elements of min/max over empty key ranges
 constexpr int RANGE_NONE_HI = -0x7fffffff - 1;
-#define CUPA_LOG2E 1.4426950408889634f
-#define CUPA_LN2 0.6931471805599453f
 
 // n / d for 0 <= n < 2^31 and a run-time d >= 1 without a division: q = (umulhi(n, mul) + n) >> shift
 // with shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1 (exact in that range).
@@ -25,18 +24,8 @@ struct FastDiv {
   CUPA_DEVICE int div(int n) const { return (int)((__umulhi((unsigned)n, mul) + (unsigned)n) >> shift); }
 };
 
-// 2^x in one MUFU (ex2.approx.ftz: exp2(-inf) = 0).
-CUPA_DEVICE float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// cp.async and ldmatrix on shared-space addresses (no generic-to-shared conversion per use).
-// copy == 0: the 16 bytes are zero-filled and the source is not read (ignore-src).
-CUPA_DEVICE void cp_async_16_to(unsigned saddr, const void* gmem, int copy) {
-  asm volatile("{\n .reg .pred p;\n setp.eq.s32 p, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n"
-               ::"r"(saddr), "l"(gmem), "r"(copy));
-}
+// ldmatrix on shared-space addresses (no generic-to-shared conversion per use); cp.async with
+// ignore-src (cp_async_16_or_zero) is in mma.cuh, ex2_approx in softmax.cuh.
 CUPA_DEVICE void ldsm_x4(unsigned (&r)[4], unsigned saddr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));

@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
       const int r = c / (D / 8), col = (c % (D / 8)) * 8;
       const bool live = sHi[r] > sLo[r];
       const T* src = live ? q + ((long long)sTok[r] * H + sHead[r]) * D + col : q;
-      cp_async_16_to(sQ_a + wg_off<ROWS>(r, col), src, live);
+      cp_async_16_or_zero(sQ_a + wg_off<ROWS>(r, col), src, live);
     }
   }
 
@@ -235,8 +235,8 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
     }
 #pragma unroll
     for (int i = 0; i < KEYS / KSTEP; ++i) {
-      cp_async_16_to(dK + i * KSTEP * 128, k_src + off[i], n[i]);
-      cp_async_16_to(dK + L::tile_bytes + i * KSTEP * 128, v_src + off[i], n[i]);
+      cp_async_16_or_zero(dK + i * KSTEP * 128, k_src + off[i], n[i]);
+      cp_async_16_or_zero(dK + L::tile_bytes + i * KSTEP * 128, v_src + off[i], n[i]);
     }
   };
 
@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
         const float nm = fmaxf(row_max[hf], mx[hf] * mul);
         // A row with no admitted key yet (max -inf before and after) has o == 0, sum == 0; its
         // exponent base is 0 so that masked scores (-inf) give exp2(-inf) = 0.
-        c[hf] = row_max[hf] == nm ? 1.0f : fast_exp2(row_max[hf] - nm);
+        c[hf] = row_max[hf] == nm ? 1.0f : ex2_approx(row_max[hf] - nm);
         row_max[hf] = nm;
       }
     }
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
       for (int j = 0; j < KEYS / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], mul, -base[e >> 1]));
+          s[4 * j + e] = ex2_approx(fmaf(s[4 * j + e], mul, -base[e >> 1]));
           sum[e >> 1] += s[4 * j + e];
         }
       }

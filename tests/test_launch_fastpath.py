@@ -477,6 +477,36 @@ def test_workspace_outlives_the_launches():
         assert len(fake.launches) == 2 and freed_at == [2], freed_at
 
 
+@pytest.mark.parametrize("case,write_q", [("decode_b8_long_split", 0), ("decode_b8_long_split_rotary", 1),
+                                          ("prefill_shaped_packed", 1)])
+def test_prologue_reads_q_only_when_it_transforms_it(case, write_q):
+    """write_q (the prologue's 19th parameter) is 0 exactly when Q needs no transform; the grid then
+    covers only the K/V rows (4 per CTA row group)."""
+    fake = FakeCupy()
+    with fake_cupy(fake):
+        x, _, _ = _run(fake, case, out=True)
+        pro = next(launch_ for launch_ in fake.launches if launch_[1] == "paged_prologue")
+        assert int.from_bytes(pro[-1][19], "little") == write_q
+        kw = CASES[case]
+        H, Hk = kw.get("H", 32), kw.get("Hk", 8)
+        rows = (H if write_q else 0) + 2 * Hk
+        assert pro[2][1] == -(-rows // 4)
+
+
+def test_prologue_uses_fewer_fuller_ctas_for_many_tokens():
+    from cupa.kernels import prologue
+
+    fake = FakeCupy()
+    with fake_cupy(fake):
+        x, attrs = fake_case(fake, B=4, N=4 * 2048, L=2048, H=32, Hk=8, D=128)
+        op = cupa.PagedAttention(**attrs)
+        problem = op.plan(**x)[0]
+        launcher = prologue.prologue_launcher(problem)
+        assert launcher.grid[:2] == (4 * 2048, 1)   # one row group per token: each warp does 4 rows
+        small = op.plan(**fake_case(fake, B=2, L=64, H=32, Hk=8, D=128)[0])[0]
+        assert prologue.prologue_launcher(small).grid[:2] == (2, 4)
+
+
 def test_no_workspace_without_splits_or_q_transform():
     fake = FakeCupy()
     with fake_cupy(fake):
