@@ -5,12 +5,14 @@ whose memo holds the backend choice, so the cache is cleared on both sides of ea
 that dispatch picks ``prefill_wgmma``, then checks every output element and cache byte
 (tests/gpu_cases.py). Skipped without a device, and on devices other than compute capability 9.0.
 
-First run on an H200: ``pytest -q tests/test_prefill_wgmma_gpu.py -x -k smoke`` (one small case), then
+First run on an H200: ``CUPA_TEST_WGMMA=1 pytest -q tests/test_prefill_wgmma_gpu.py -x -k smoke`` (one small case), then
 the whole file. If the smoke case fails with a wrong result (not a crash), rerun it with
 ``CUPA_WGMMA_PV_SPLIT_N=1`` in mind (see prefill_wgmma.cu: the P V product without the descriptor's
 leading byte offset) -- that switch is a compile option, so it needs a Specialization with
 ``-DCUPA_WGMMA_PV_SPLIT_N=1``; test_split_n_variant below does exactly that.
 """
+
+import os
 
 import numpy as np
 import pytest
@@ -24,6 +26,9 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(prefill_wgmma.device_capability() not in (None, (9, 0)),
                        reason="the wgmma prefill needs compute capability 9.0 (sm_90a)"),
+    # Written without a GPU and not yet run on one: opt in until a device session validates it.
+    pytest.mark.skipif(os.environ.get("CUPA_TEST_WGMMA") != "1",
+                       reason="the wgmma prefill is not validated on a GPU yet: run with CUPA_TEST_WGMMA=1"),
 ]
 
 
