@@ -11,10 +11,10 @@ still the peer's). SDPA is timed with enable_gqa=True and with K/V expanded to a
 faster counts.
 
 Each T-cache case also runs on the Hopper wgmma prefill (cupa_wgmma: CUPA_PREFILL_WGMMA=1, a fresh
-op; compute capability 9.0 only; off with --no-wgmma), with its largest difference from the mma.sync
+op; compute capability 9.0 only; with --wgmma, until the kernel is validated on a GPU), with its largest difference from the mma.sync
 prefill's output.
 
-    python benchmarks/bench_prefill.py --out benchmarks/results/prefill.json [--quick] [--no-peers] [--no-wgmma]
+    python benchmarks/bench_prefill.py --out benchmarks/results/prefill.json [--quick] [--no-peers] [--wgmma]
 """
 
 from __future__ import annotations
@@ -187,8 +187,8 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/prefill.json")
     ap.add_argument("--quick", action="store_true", help="fewer reps and cases (smoke run)")
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--no-wgmma", action="store_true",
-                    help="skip the Hopper wgmma prefill rows (measured with CUPA_PREFILL_WGMMA=1 where it serves)")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="add the Hopper wgmma prefill rows (CUPA_PREFILL_WGMMA=1 where it serves; not validated yet)")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -206,7 +206,7 @@ def main(argv=None):
                "dtype": dtype, "cache": cache, "causal_flops": flops, "cupa": r,
                "cupa_tflops": flops / r["median_us"] / 1e6, "target_tflops": TARGET_TFLOPS,
                "spec_peers_tflops": SPEC_PEERS.get(name)}
-        if not args.no_wgmma:
+        if args.wgmma:
             w = bench_cupa_wgmma(cp, timer, inputs, attrs, q, past + q, reps)
             if w is not None and "median_us" in w:
                 row["cupa_wgmma"] = w
