@@ -301,6 +301,10 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
     float s[KEYS / 2];  // s[4j + e] = S[row (e/2 ? +8)][8j + 2(lane%4) + e%2]
 #pragma unroll
     for (int i = 0; i < KEYS / 2; ++i) s[i] = 0.0f;
+    // The zeros must be written BEFORE wgmma.fence (PTX ISA: a register access between the fence and
+    // a wgmma that touches the same register is undefined); without this the compiler emitted the
+    // zeroing movs after the fence. CUTLASS: warpgroup_fence_operand(accum); warpgroup_arrive().
+    wg_fence_operands(s);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
@@ -390,6 +394,10 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
     }
     // O += P V: V's k16 step j2 = keys 16*j2.. = rows 16*j2.. of the V tile = +2048 bytes each.
     const unsigned long long v_desc = v_desc0 + (unsigned long long)((stage * L::stage_bytes) >> 4);
+    // As for S: the rescaled o and the packed p are complete before wgmma.fence.
+    wg_fence_operands(o);
+#pragma unroll
+    for (int j2 = 0; j2 < KEYS / 16; ++j2) wg_fence_operands(p[j2]);
     wgmma_fence();
 #pragma unroll
     for (int j2 = 0; j2 < KEYS / 16; ++j2) {
