@@ -41,6 +41,13 @@ CUPA_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;
 template <int N> CUPA_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // Shared-memory writes of the generic proxy (st.shared, cp.async) become visible to the async
 // proxy (wgmma operand reads) only after this fence (then a barrier publishes them to the CTA).
+// PTX ISA, wgmma.fence: "An async proxy fence must be used to establish an ordering between prior
+// writes to shared memory matrices and subsequent reads of the same matrices in a wgmma.mma_async
+// instruction." (CUTLASS's cp.async GMMA mainloop, sm90_mma_multistage_gmma_ss_warpspecialized.hpp,
+// publishes its cp.async stages with cp.async.mbarrier.arrive and no proxy fence, so for cp.async
+// the fence may be redundant; it costs one instruction per thread per tile and is kept.)
+// The reverse direction needs nothing: a wgmma's completion (wait_group) implies a generic-async
+// proxy fence, so a stage or sQ may be rewritten once every warpgroup has waited and synced.
 CUPA_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keep the compiler from moving reads or writes of an accumulator across the asynchronous MMA:
 // the register is "modified" here, so nothing that uses it can be scheduled to the other side.
