@@ -121,11 +121,21 @@ class PrefillBackend:
                 self._attend(p, call, q_ws)
         return call.finish()
 
+    # The kernel, launch plan and shared memory of a call: the wgmma backend swaps these three.
+    def _spec(self, p: Problem):
+        return registry.prefill_spec(p.dtype, p.cache_kind, p.head_size)
+
+    def _plan(self, p: Problem) -> dict:
+        return launch_plan(p)
+
+    def _shared_bytes(self, p: Problem) -> int:
+        return shared_bytes(p)
+
     def _attend(self, p: Problem, call, q_ws) -> None:
         dev, a = call.dev, p.attrs
-        plan = launch_plan(p)
-        kernel = jit.get_kernel(registry.prefill_spec(p.dtype, p.cache_kind, p.head_size))
-        shared = shared_bytes(p)
+        plan = self._plan(p)
+        kernel = jit.get_kernel(self._spec(p))
+        shared = self._shared_bytes(p)
         launch.ensure_shared_memory(kernel, shared)
         kernel(
             (plan["grid"],), (plan["threads"],),

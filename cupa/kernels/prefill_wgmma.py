@@ -25,11 +25,9 @@ import math
 import os
 from typing import Optional
 
-from .. import jit
 from ..contract import Problem
-from . import launch, registry, types
+from . import registry
 from .prefill import MAX_GRID_X, PrefillBackend
-from .types import f32, i32, ptr
 
 #: The switch: the backend is eligible only when this environment variable is "1".
 ENV_VAR = "CUPA_PREFILL_WGMMA"
@@ -123,23 +121,14 @@ class PrefillWgmmaBackend(PrefillBackend):
                 f"({problem.token_count}) {'>' if self.preferred(problem) else '<='} batch_size "
                 f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
 
-    def _attend(self, p: Problem, call, q_ws) -> None:
-        dev, a = call.dev, p.attrs
-        plan = launch_plan(p)
-        kernel = jit.get_kernel(registry.prefill_wgmma_spec(p.dtype, p.head_size))
-        shared = shared_bytes(p)
-        launch.ensure_shared_memory(kernel, shared)
-        kernel(
-            (plan["grid"],), (plan["threads"],),
-            (q_ws, dev["key_cache"], dev["value_cache"], dev["cumulative_sequence_length"], dev["past_seqlens"],
-             dev["block_table"], ptr(dev["query_positions"]), ptr(dev["head_sink"]), ptr(dev["k_scale"]),
-             ptr(dev["v_scale"]), call.output,
-             i32(p.token_count), i32(p.num_heads), i32(p.kv_num_heads), i32(p.batch_size), i32(p.num_blocks),
-             i32(p.block_size), i32(p.max_blocks_per_seq), i32(plan["zero_ctas"]), i32(plan["num_tiles"]),
-             i32(p.rotary_max_pos if p.rotary_dim else 0), f32(p.scale), f32(a.softcap), i32(a.local_window_size),
-             i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant])),
-            shared_mem=shared,
-        )
+    def _spec(self, p: Problem):
+        return registry.prefill_wgmma_spec(p.dtype, p.head_size)
+
+    def _plan(self, p: Problem) -> dict:
+        return launch_plan(p)
+
+    def _shared_bytes(self, p: Problem) -> int:
+        return shared_bytes(p)
 
 
 BACKEND = PrefillWgmmaBackend()
