@@ -45,7 +45,7 @@ def measure(mode: str, calls: int, real_arrays: bool) -> list:
     rows = []
     with fake_cupy(fake, mode):
         fake.record = False
-        for label, B, L in (("tiny B=1 L=16 (1 split)", 1, 16), ("B=8 L=4096 (splits + merge)", 8, 4096)):
+        for label, B, L in (("tiny B=1 L=16 (1 split)", 1, 16), ("B=8 L=4096 (splits, merged by the last split)", 8, 4096)):
             x, attrs = fake_case(fake, B=B, L=L, H=H, Hk=HK, D=D, bs=BS)
             args = tuple(x[n] for n in ("query", "key", "value", "key_cache", "value_cache",
                                         "cumulative_sequence_length", "past_seqlens", "block_table"))

@@ -7,7 +7,7 @@ Host time per call is most of the cost of a small decode step, so the steady sta
   not already current.
 - :class:`Launcher` is one kernel launch built once per (problem, device): the kernel, grid, block,
   shared memory and the scalar arguments (NumPy ``int32``/``float32``). A :class:`Sequence` of them
-  (prologue, decode, merge) writes the scalars once into a per-thread buffer of 8-byte slots; a call
+  (prologue, then decode) writes the scalars once into a per-thread buffer of 8-byte slots; a call
   writes only the pointers (one ``struct.pack_into``) and launches each kernel with
   ``cuLaunchKernel``, whose ``kernelParams`` is an array of pointers to each parameter's bytes (8 for
   a pointer, 4 for an ``int``/``float``): no C struct layout is involved. The driver copies the
