@@ -7,14 +7,16 @@ cache). L2 is flushed before each run. Causal FLOPs = 4*H*D*sum_b(q_b*past_b + q
 Peer: torch SDPA on the same problem laid out densely (B, heads, len, D): is_causal=True without a
 past; with a past (chunked prefill) SDPA has no bottom-right causal mask without an explicit mask,
 so it runs full attention over past+new (q*q/2 more FLOPs than the causal problem; its time is
-still the peer's). SDPA is timed with enable_gqa=True and with K/V expanded to all heads; the
-faster counts.
+still the peer's). SDPA is timed with enable_gqa=True and with K/V expanded to all heads (the
+faster counts as ``best_us``), and with K/V expanded under each backend pinned (FLASH_ATTENTION,
+i.e. FlashAttention-2 on mma.sync, is the issue's peer ``flash_us``; CUDNN_ATTENTION;
+EFFICIENT_ATTENTION).
 
-Each T-cache case also runs on the Hopper wgmma prefill (cupa_wgmma: CUPA_PREFILL_WGMMA=1, a fresh
-op; compute capability 9.0 only; with --wgmma, until the kernel is validated on a GPU), with its largest difference from the mma.sync
-prefill's output.
+Every case runs twice: ``cupa`` is the library's own choice (on compute capability 9.0 the Hopper
+wgmma prefill where it serves: T caches, D=128) and ``cupa_mma_sync`` the mma.sync prefill
+(CUPA_PREFILL_WGMMA=0), each on a fresh op, with the largest difference between their outputs.
 
-    python benchmarks/bench_prefill.py --out benchmarks/results/prefill.json [--quick] [--no-peers] [--wgmma]
+    python benchmarks/bench_prefill.py --out benchmarks/results/prefill.json [--quick] [--no-peers]
 """
 
 from __future__ import annotations
@@ -97,55 +99,36 @@ def make_case(cp, B, q, past, block_size, dtype, cache, seed=0):
     ), attrs
 
 
-def bench_cupa(cp, timer, inputs, attrs, q, kv_len, reps):
-    op = cupa.PagedAttention(num_heads=H, kv_num_heads=HK, **attrs)
-    md = np.array([q, kv_len], dtype=np.int32)
-    out = cp.empty_like(inputs["query"])
-
-    def call():
-        op(**inputs, attention_metadata=md, out=out)
-
-    res = timer.time_us(call, reps=reps)
-    res["explain"] = op.explain(**inputs, attention_metadata=md)
-    return res
-
-
 WGMMA_ENV = "CUPA_PREFILL_WGMMA"
 
 
-def bench_cupa_wgmma(cp, timer, inputs, attrs, q, kv_len, reps):
-    """The same call on the Hopper wgmma prefill (CUPA_PREFILL_WGMMA=1, fresh op), or None where it
-    does not serve the case (not compute capability 9.0, a quantized cache...). Also records the
-    largest difference from the mma.sync prefill's output on the same inputs (a sanity check, not
-    the accuracy test: tests/test_prefill_wgmma_gpu.py is)."""
-    from cupa.kernels import prefill_wgmma
-
+def bench_cupa(cp, timer, inputs, attrs, q, kv_len, reps, wgmma_env=None):
+    """The whole call (prologue + attention) on a fresh op; ``wgmma_env`` is CUPA_PREFILL_WGMMA's value
+    while the op picks its backend (None: unset, the library's default; "0": the mma.sync prefill)."""
     saved = os.environ.get(WGMMA_ENV)
-    os.environ[WGMMA_ENV] = "1"
+    if wgmma_env is None:
+        os.environ.pop(WGMMA_ENV, None)
+    else:
+        os.environ[WGMMA_ENV] = wgmma_env
     try:
         op = cupa.PagedAttention(num_heads=H, kv_num_heads=HK, **attrs)
         md = np.array([q, kv_len], dtype=np.int32)
-        text = op.explain(**inputs, attention_metadata=md)
-        if "prefill_wgmma: chosen" not in text:
-            return {"skipped": next((ln for ln in text.splitlines() if ln.startswith("prefill_wgmma")), text)}
-        # Both kernels on the same inputs (the prologue rewrites the same cache slots with the same values).
-        out_w = cp.empty_like(inputs["query"])
-        op(**inputs, attention_metadata=md, out=out_w)
-        os.environ[WGMMA_ENV] = "0"
-        out_m = cp.empty_like(inputs["query"])
-        cupa.PagedAttention(num_heads=H, kv_num_heads=HK, **attrs)(**inputs, attention_metadata=md, out=out_m)
-        os.environ[WGMMA_ENV] = "1"
-        diff = float(cp.abs(out_w.astype(cp.float32) - out_m.astype(cp.float32)).max())
-        res = bench_cupa(cp, timer, inputs, attrs, q, kv_len, reps)
-        res["max_abs_diff_vs_mma_sync"] = diff
-        res["config"] = {"rows": prefill_wgmma.ROWS, "threads": prefill_wgmma.THREADS, "keys": prefill_wgmma.KEYS,
-                         "stages": prefill_wgmma.STAGES}
-        return res
+        out = cp.empty_like(inputs["query"])
+        res = {"explain": op.explain(**inputs, attention_metadata=md)}
+        res["backend"] = next(ln.split(":")[0] for ln in res["explain"].splitlines() if ": chosen" in ln)
+
+        def call():
+            op(**inputs, attention_metadata=md, out=out)
+
+        call()  # the backend choice is memoized by the op at its first call, under this environment
     finally:
         if saved is None:
             os.environ.pop(WGMMA_ENV, None)
         else:
             os.environ[WGMMA_ENV] = saved
+    res.update(timer.time_us(call, reps=reps))
+    res["output"] = out
+    return res
 
 
 def bench_sdpa(timer, B, q, past, dtype, reps):
@@ -175,8 +158,28 @@ def bench_sdpa(timer, B, q, past, dtype, reps):
                 results[name] = timer.time_us(fn, reps=reps)
             except Exception as exc:  # a backend without GQA support, out of memory, ...
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    timed = [r["median_us"] for r in results.values() if isinstance(r, dict) and "median_us" in r]
+        # Each SDPA backend pinned (K/V expanded, which every backend takes): the issue's peer is
+        # "SDPA's flash kernel" (FlashAttention-2, mma.sync); the default above may pick cuDNN.
+        per_backend = {}
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+        except ImportError:
+            sdpa_kernel = None
+        if sdpa_kernel is not None:
+            for bname in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+                backend = getattr(SDPBackend, bname, None)
+                if backend is None:
+                    continue
+                try:
+                    with sdpa_kernel([backend]):
+                        per_backend[bname.lower()] = timer.time_us(variants["expanded_kv"], reps=reps)
+                except Exception as exc:
+                    per_backend[bname.lower()] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        results["pinned_backend_expanded_kv"] = per_backend
+    timed = [r["median_us"] for k, r in results.items() if k in variants and "median_us" in r]
     results["best_us"] = min(timed) if timed else None
+    flash = per_backend.get("flash_attention", {})
+    results["flash_us"] = flash.get("median_us")
     del qt, kt, vt, ke, ve
     torch.cuda.empty_cache()
     return results
@@ -187,8 +190,6 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/prefill.json")
     ap.add_argument("--quick", action="store_true", help="fewer reps and cases (smoke run)")
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--wgmma", action="store_true",
-                    help="add the Hopper wgmma prefill rows (CUPA_PREFILL_WGMMA=1 where it serves; not validated yet)")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -202,17 +203,15 @@ def main(argv=None):
         inputs, attrs = make_case(cp, B, q, past, bs, dtype, cache)
         flops = causal_flops(B, q, past)
         r = bench_cupa(cp, timer, inputs, attrs, q, past + q, reps)
+        m = bench_cupa(cp, timer, inputs, attrs, q, past + q, reps, wgmma_env="0")
+        # Both kernels on the same inputs (the prologue rewrites the same cache slots with the same values).
+        diff = float(cp.abs(r.pop("output").astype(cp.float32) - m.pop("output").astype(cp.float32)).max())
         row = {"case": name, "B": B, "new_tokens": q, "past": past, "H": H, "Hk": HK, "D": D, "block_size": bs,
                "dtype": dtype, "cache": cache, "causal_flops": flops, "cupa": r,
-               "cupa_tflops": flops / r["median_us"] / 1e6, "target_tflops": TARGET_TFLOPS,
+               "cupa_tflops": flops / r["median_us"] / 1e6, "cupa_mma_sync": m,
+               "cupa_mma_sync_tflops": flops / m["median_us"] / 1e6,
+               "max_abs_diff_default_vs_mma_sync": diff, "target_tflops_mma_sync": TARGET_TFLOPS,
                "spec_peers_tflops": SPEC_PEERS.get(name)}
-        if args.wgmma:
-            w = bench_cupa_wgmma(cp, timer, inputs, attrs, q, past + q, reps)
-            if w is not None and "median_us" in w:
-                row["cupa_wgmma"] = w
-                row["cupa_wgmma_tflops"] = flops / w["median_us"] / 1e6
-            elif w is not None:
-                row["cupa_wgmma"] = w
         del inputs
         cp.get_default_memory_pool().free_all_blocks()
         if not args.no_peers:
@@ -221,22 +220,33 @@ def main(argv=None):
                 row["torch_sdpa_dense"] = s
                 row["sdpa_tflops_causal_equivalent"] = flops / s["best_us"] / 1e6
                 row["speed_ratio_vs_sdpa"] = s["best_us"] / r["median_us"]
+                row["mma_sync_speed_ratio_vs_sdpa"] = s["best_us"] / m["median_us"]
+            if s is not None and s.get("flash_us"):
+                row["sdpa_flash_tflops_causal_equivalent"] = flops / s["flash_us"] / 1e6
+                row["speed_ratio_vs_sdpa_flash"] = s["flash_us"] / r["median_us"]
+                row["mma_sync_speed_ratio_vs_sdpa_flash"] = s["flash_us"] / m["median_us"]
         results.append(row)
     payload = {"benchmark": "prefill", "environment": environment(cp), "read_probe": roof,
                "flops_formula": "4*H*D*sum_b(q_b*past_b + q_b*(q_b+1)/2)", "results": results}
     write_json(args.out, payload)
     print(f"read probe {roof['tb_per_s']:.2f} TB/s (context only: prefill is compute-bound)")
-    print(f"{'case':44s} {'cupa us':>9s} {'TFLOP/s':>8s} {'wgmma us':>9s} {'TFLOP/s':>8s} {'sdpa us':>9s} "
-          f"{'vs sdpa':>8s} {'target':>7s}")
+    print("cupa = the library's choice (backend named); mma.sync = CUPA_PREFILL_WGMMA=0; sdpa = torch's default "
+          "backend; flash = SDPA pinned to FLASH_ATTENTION. Ratios are peer time / cupa time (> 1: cupa faster).")
+    print(f"{'case':42s} {'backend':>13s} {'cupa us':>8s} {'TFLOP/s':>7s} {'mma us':>8s} {'TFLOP/s':>7s} "
+          f"{'sdpa us':>8s} {'flash us':>8s} {'cupa/fl':>7s} {'mma/fl':>7s}")
+
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
     for row in results:
-        sd = row.get("torch_sdpa_dense", {}).get("best_us")
-        ratio = row.get("speed_ratio_vs_sdpa")
-        wus = row.get("cupa_wgmma", {}).get("median_us")
-        wtf = row.get("cupa_wgmma_tflops")
-        print(f"{row['case']:44s} {row['cupa']['median_us']:9.1f} {row['cupa_tflops']:8.1f} "
-              f"{'-' if wus is None else f'{wus:.1f}':>9s} {'-' if wtf is None else f'{wtf:.1f}':>8s} "
-              f"{'-' if sd is None else f'{sd:.1f}':>9s} {'-' if ratio is None else f'{ratio:.2f}x':>8s} "
-              f"{TARGET_TFLOPS:7.0f}")
+        sdpa = row.get("torch_sdpa_dense", {})
+        print(f"{row['case']:42s} {row['cupa']['backend']:>13s} {row['cupa']['median_us']:8.1f} "
+              f"{row['cupa_tflops']:7.1f} {row['cupa_mma_sync']['median_us']:8.1f} {row['cupa_mma_sync_tflops']:7.1f} "
+              f"{f(sdpa.get('best_us'), '8.1f'):>8s} {f(sdpa.get('flash_us'), '8.1f'):>8s} "
+              f"{f(row.get('speed_ratio_vs_sdpa_flash'), '7.2f'):>7s} "
+              f"{f(row.get('mma_sync_speed_ratio_vs_sdpa_flash'), '7.2f'):>7s}")
+    print(f"targets: mma.sync >= {TARGET_TFLOPS:.0f} TFLOP/s and mma/fl >= 1.00 at blocks 16 and 256; "
+          "the wgmma path past 400 TFLOP/s")
 
 
 if __name__ == "__main__":

@@ -3,15 +3,29 @@
 Quick tier: the unmarked-slow tests (run after every kernel change). Full matrix: `slow`.
 Every run draws fresh random data, poisons the output with NaN and checks every element and
 cache byte (tests/gpu_cases.py). Each case asserts first that dispatch picks the prefill backend.
+On compute capability 9.0 the wgmma prefill serves most of these calls by default; every test here
+runs with CUPA_PREFILL_WGMMA=0 so that the mma.sync kernel stays checked on the device we have
+(tests/test_prefill_wgmma_gpu.py checks the wgmma kernel).
 """
 
 import numpy as np
 import pytest
 
 import cupa
+from cupa import api
+from cupa.kernels import prefill_wgmma
 from tests import gpu_cases as gc
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def mma_sync_prefill(monkeypatch):
+    """The mma.sync prefill, also where the wgmma prefill would serve the call (fresh bound ops)."""
+    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "0")
+    api._bound_op.cache_clear()
+    yield
+    api._bound_op.cache_clear()
 
 
 @pytest.fixture(scope="module")

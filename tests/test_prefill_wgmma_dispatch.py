@@ -1,6 +1,6 @@
 """Dispatch rules of the Hopper wgmma prefill, without a GPU.
 
-The backend must decline (and explain() must say why) unless CUPA_PREFILL_WGMMA=1, the device has
+The backend must decline (and explain() must say why) when CUPA_PREFILL_WGMMA=0, or unless the device has
 compute capability 9.0, T is float16/bfloat16, the caches hold T and head_size is 128; everything
 it declines keeps going to the mma.sync prefill (or decode). The device is faked: dispatch is told
 the inputs live on a device and the backend is told the device's compute capability.
@@ -49,18 +49,19 @@ def test_registered_before_the_mma_sync_prefill():
     assert names.index("prefill_wgmma") < names.index("prefill") < names.index("decode")
 
 
-def test_off_without_the_environment_variable(fake_device, rng, monkeypatch):
+def test_on_by_default_and_off_with_zero(fake_device, rng, monkeypatch):
+    assert chosen(rng) == "prefill_wgmma"
+    for value in ("", "1", "yes"):
+        monkeypatch.setenv(prefill_wgmma.ENV_VAR, value)
+        assert chosen(rng) == "prefill_wgmma", value
+    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "0")
     assert chosen(rng) == "prefill"
     text = explain(rng)
-    assert "prefill_wgmma: not eligible" in text and "CUPA_PREFILL_WGMMA=1" in text and "prefill: chosen" in text
-    for value in ("0", "", "true", "yes"):
-        monkeypatch.setenv(prefill_wgmma.ENV_VAR, value)
-        assert chosen(rng) == "prefill", value
+    assert "prefill_wgmma: not eligible" in text and "CUPA_PREFILL_WGMMA=0" in text and "prefill: chosen" in text
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_on_for_the_covered_case(fake_device, rng, monkeypatch, dtype):
-    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
     assert chosen(rng, dtype=dtype) == "prefill_wgmma"
     text = explain(rng, dtype=dtype)
     assert "prefill_wgmma: chosen" in text and "wgmma" in text and "prefill: eligible but not preferred" in text, text
@@ -68,7 +69,6 @@ def test_on_for_the_covered_case(fake_device, rng, monkeypatch, dtype):
 
 @pytest.mark.parametrize("cc", [(8, 0), (8, 9), (10, 0), (12, 0), None])
 def test_not_on_other_devices(fake_device, rng, monkeypatch, cc):
-    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
     fake_device["cc"] = cc
     assert chosen(rng) == "prefill"
     assert "needs compute capability 9.0" in explain(rng)
@@ -76,20 +76,17 @@ def test_not_on_other_devices(fake_device, rng, monkeypatch, cc):
 
 @pytest.mark.parametrize("D", [64, 256])
 def test_not_for_other_head_sizes(fake_device, rng, monkeypatch, D):
-    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
     assert chosen(rng, D=D) == "prefill"
     assert f"head_size {D}" in explain(rng, D=D)
 
 
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
 def test_not_for_quantized_caches(fake_device, rng, monkeypatch, cache):
-    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
     assert chosen(rng, cache=cache) == "prefill"
     assert f"{cache} cache" in explain(rng, cache=cache)
 
 
 def test_not_for_float32_or_decode_shaped_calls(fake_device, rng, monkeypatch):
-    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "1")
     assert chosen(rng, dtype="float32") == "decode"
     assert chosen(rng, q_lens=[1, 1]) == "decode"  # token_count <= batch_size: decode-shaped
 

@@ -1,4 +1,4 @@
-"""The Hopper wgmma prefill backend (sm_90a): OFF by default until a GPU session validates it.
+"""The Hopper wgmma prefill backend (sm_90a): the prefill of choice on compute capability 9.0.
 
 Same contract, launch layout, prologue and zero pass as the mma.sync prefill backend
 (:mod:`cupa.kernels.prefill`); the attention kernel is ``paged_prefill_wgmma``
@@ -9,8 +9,9 @@ K/V rows gathered through the block table with cp.async into the 128B-swizzled l
 It serves a call only when all of these hold, and otherwise says why in explain() (the call then
 goes to the mma.sync prefill backend as before):
 
-- ``CUPA_PREFILL_WGMMA=1`` is set (read at dispatch; an op memoizes its choice per input
-  signature, so set it before the op's first call or use a fresh op);
+- ``CUPA_PREFILL_WGMMA`` is not ``"0"`` (the switch that sends these calls to the mma.sync prefill
+  instead; read at dispatch: an op memoizes its choice per input signature, so set it before the
+  op's first call or use a fresh op);
 - the current device has compute capability 9.0 (wgmma needs the arch-specific sm_90a target,
   compiled offline with NVRTC and loaded as a cubin: :func:`cupa.jit.get_kernel` on a pinned spec);
 - T is float16 or bfloat16, the caches hold T (no int8/fp8 caches in this first version), and
@@ -29,7 +30,7 @@ from ..contract import Problem
 from . import registry
 from .prefill import MAX_GRID_X, PrefillBackend
 
-#: The switch: the backend is eligible only when this environment variable is "1".
+#: The switch: "0" turns the backend off (validated on an H200: tests/test_prefill_wgmma_gpu.py).
 ENV_VAR = "CUPA_PREFILL_WGMMA"
 WGMMA_DTYPES = ("float16", "bfloat16")
 WGMMA_HEAD_SIZES = (128,)
@@ -39,7 +40,7 @@ CAPABILITY = (9, 0)
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_VAR, "") == "1"
+    return os.environ.get(ENV_VAR, "") != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,7 +90,7 @@ class PrefillWgmmaBackend(PrefillBackend):
     def not_supported_reasons(self, problem: Problem) -> list:
         p, reasons = problem, []
         if not enabled():
-            reasons.append(f"off by default until validated on a GPU: set {ENV_VAR}=1 to enable it")
+            reasons.append(f"switched off by {ENV_VAR}=0")
         if p.latent:
             reasons.append("kv_cache_layout='LATENT' (MLA) is not served by the wgmma prefill")
         if p.has_bias:
@@ -113,8 +114,8 @@ class PrefillWgmmaBackend(PrefillBackend):
 
     def describe(self, problem: Problem) -> str:
         plan = launch_plan(problem)
-        return (f"paged prefill on Hopper warpgroup MMA (wgmma m64n64k16 / m64n128k16, sm_90a; enabled by "
-                f"{ENV_VAR}=1): one CTA of 2 warpgroups per (tile of {plan['rows']} (token, group head) rows of "
+        return (f"paged prefill on Hopper warpgroup MMA (wgmma m64n64k16 / m64n128k16, sm_90a; off with "
+                f"{ENV_VAR}=0): one CTA of 2 warpgroups per (tile of {plan['rows']} (token, group head) rows of "
                 f"one sequence, KV head); {plan['num_tiles']} row tiles x {problem.kv_num_heads} KV heads + "
                 f"{plan['zero_ctas']} zero-pass CTA(s); keys in tiles of {plan['keys']} through a "
                 f"{plan['stages']}-stage cp.async pipeline; fused prologue first; token_count "
