@@ -8,6 +8,22 @@
 #define CUPA_DEVICE __device__ __forceinline__
 #define CUPA_NEG_INF __int_as_float(0xff800000)
 
+// ---- programmatic dependent launch (compute capability 9.0+; no-ops before) ---------------------
+// The prologue lets the attention kernel that follows it be scheduled at once; that kernel runs
+// its preamble (token lookup, block-table reads) and then waits in EVERY CTA, before it reads what
+// the prologue writes (Q workspace, cache rows, split counters) and before it exits (so it never
+// completes ahead of the prologue). Without a programmatic launch the wait returns at once.
+CUPA_DEVICE void grid_dependency_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+CUPA_DEVICE void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ---- activations ----------------------------------------------------------------------
 template <typename T> struct Act;
 template <> struct Act<float> {

@@ -49,12 +49,13 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
   const int kpi = 32 / lpk, ci = lane % lpk, sg = lane / lpk;
   const bool lane_active = ci < nchunk;
 
-  const TokenInfo info = locate_token(t, cum, past, batch_size, query_positions,
-                                      (long long)max_blocks * block_size, rotary_max_pos);
+  const TokenInfo info = locate_token_warp(t, cum, past, batch_size, query_positions,
+                                           (long long)max_blocks * block_size, rotary_max_pos, lane);
   int lo = 0, hi = 0;
   if (info.valid) key_range(info, is_causal, window, lo, hi);
   int s_first, s_last;
   split_span(lo, hi, chunk, num_splits, s_first, s_last);
+  grid_dependency_wait();  // the prologue's Q, cache rows and counters are visible from here
   if (split < s_first || split > s_last) return;  // no admitted key in this split: nothing to merge
   const bool direct = s_first == s_last;
   lo = max(lo, split * chunk);

@@ -142,33 +142,20 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   const int nh = min(MMA_ROWS, g * G + G - h0);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  const TokenInfo info = locate_token(t, cum, past, batch_size, query_positions,
-                                      (long long)max_blocks * block_size, rotary_max_pos);
+  const TokenInfo info = locate_token_warp(t, cum, past, batch_size, query_positions,
+                                           (long long)max_blocks * block_size, rotary_max_pos, lane);
   int lo = 0, hi = 0;
   if (info.valid) key_range(info, is_causal, window, lo, hi);
   int s_first, s_last;
   split_span(lo, hi, chunk, num_splits, s_first, s_last);
-  if (split < s_first || split > s_last) return;  // no admitted key in this split: nothing to merge
+  if (split < s_first || split > s_last) {  // no admitted key in this split: nothing to merge
+    grid_dependency_wait();  // (every CTA waits before it exits: see common.cuh)
+    return;
+  }
   const bool direct = s_first == s_last;
   lo = max(lo, split * chunk);
   hi = (int)min((long long)hi, (long long)(split + 1) * chunk);
   const int ntiles = hi > lo ? (hi - lo + KEY_TILE - 1) / KEY_TILE : 0;
-
-  // Q rows (K scale folded in per channel), zero rows past the chunk's heads.
-  for (int c = tid; c < MMA_ROWS * (D / 8); c += blockDim.x) {
-    const int r = c / (D / 8), col = (c % (D / 8)) * 8;
-    float v[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = 0.0f;
-    if (r < nh && ntiles > 0) {
-      load8(q + ((long long)t * H + h0 + r) * D + col, v);
-      if (k_quant == QUANT_PER_CHANNEL) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] *= k_scale[g * D + col + i];
-      }
-    }
-    store8(sQ + swz<D>(r, col), v);
-  }
 
   const long long row_stride = (long long)Hk * D;
   const bool block_pow2 = (block_size & (block_size - 1)) == 0;
@@ -193,8 +180,28 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
                  reinterpret_cast<const char*>(key_cache), reinterpret_cast<const char*>(value_cache));
   };
 
+  // Block-table reads first: they do not depend on the prologue, so with a programmatic launch
+  // they overlap it; then wait for the prologue's Q, cache rows and counters.
 #pragma unroll
   for (int s = 0; s < NST; ++s) find_rows(s);
+  grid_dependency_wait();
+
+  // Q rows (K scale folded in per channel), zero rows past the chunk's heads.
+  for (int c = tid; c < MMA_ROWS * (D / 8); c += blockDim.x) {
+    const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+    if (r < nh && ntiles > 0) {
+      load8(q + ((long long)t * H + h0 + r) * D + col, v);
+      if (k_quant == QUANT_PER_CHANNEL) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] *= k_scale[g * D + col + i];
+      }
+    }
+    store8(sQ + swz<D>(r, col), v);
+  }
+
   __syncthreads();  // sQ, row offsets of the first NST tiles
 #pragma unroll
   for (int s = 0; s < NST - 1; ++s) {

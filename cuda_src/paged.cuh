@@ -47,6 +47,57 @@ CUPA_DEVICE TokenInfo locate_token(int t, const int* cum, const int* past, int b
   return info;
 }
 
+// locate_token for a warp-uniform t, called by all 32 lanes of a warp (same result, bit for bit).
+// For batch_size < 128 the warp reads cum[0..B], past_seqlens[0..B) and query_positions[t] in ONE
+// round of independent loads (lane l holds entries l, l+32, l+64, l+96) and runs find_owner's
+// binary search -- the same probes, so the same owner for any cum -- on those registers with
+// shuffles: one global-memory latency instead of log2(B) + 2 dependent ones before the first
+// block-table read. Larger batches take locate_token.
+constexpr int LOCATE_WARP_MAX_BATCH = 127;
+CUPA_DEVICE int warp_entry(const int (&r)[4], int index) {  // entry `index` (warp-uniform) of a 4x32 table
+  const int i = index >> 5;
+  const int v = i == 0 ? r[0] : (i == 1 ? r[1] : (i == 2 ? r[2] : r[3]));
+  return __shfl_sync(0xffffffffu, v, index & 31);
+}
+CUPA_DEVICE TokenInfo locate_token_warp(int t, const int* cum, const int* past, int batch_size,
+                                        const int* query_positions, long long kv_capacity, int rotary_max_pos,
+                                        int lane) {
+  if (batch_size > LOCATE_WARP_MAX_BATCH) return locate_token(t, cum, past, batch_size, query_positions, kv_capacity,
+                                                               rotary_max_pos);
+  int c[4], p[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = 32 * i + lane;
+    c[i] = e <= batch_size ? __ldg(cum + e) : 0;
+    p[i] = e < batch_size ? __ldg(past + e) : 0;
+  }
+  const int qpos = query_positions ? __ldg(query_positions + t) : 0;
+  TokenInfo info;
+  info.valid = false;
+  int lo = 0, hi = batch_size;
+  while (lo < hi) {  // find_owner
+    const int mid = (lo + hi) >> 1;
+    if (warp_entry(c, mid + 1) > t) hi = mid; else lo = mid + 1;
+  }
+  info.b = lo;
+  info.j = 0;
+  info.pos = -1;
+  info.kv_len = 0;
+  if (info.b >= batch_size) return info;
+  const int c0 = warp_entry(c, info.b), c1 = warp_entry(c, info.b + 1);
+  if (c0 > t) return info;
+  const int pst = warp_entry(p, info.b);
+  const long long kv_len = (long long)pst + (long long)c1 - (long long)c0;
+  if (pst < 0 || c1 < c0 || kv_len > kv_capacity) return info;
+  info.j = t - c0;
+  info.kv_len = (int)kv_len;
+  info.pos = query_positions ? qpos : pst + info.j;
+  if (info.pos < 0) return info;
+  if (rotary_max_pos > 0 && info.pos >= rotary_max_pos) return info;
+  info.valid = true;
+  return info;
+}
+
 // Physical block of logical block `index` of sequence b, or -1 when unmapped / out of range.
 CUPA_DEVICE int physical_block(const int* block_table, int max_blocks, int num_blocks, int b, int index) {
   if (index < 0 || index >= max_blocks) return -1;

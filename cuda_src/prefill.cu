@@ -88,6 +88,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   static_assert(KEYS % 32 == 0 && KEYS <= THREADS, "one thread per key row when finding rows");
   static_assert(ROWS <= THREADS && ROWS % 32 == 0, "one thread per query row when locating rows");
 
+  grid_dependency_wait();  // the prologue's writes (cache rows, Q workspace) are visible from here
   if ((int)blockIdx.x < zero_ctas) {
     prefill_zero_pass<T, WARPS>(out, cum, batch_size, token_count, num_heads, D);
     return;

@@ -97,6 +97,7 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
   static_assert(ROWS <= THREADS && ROWS % 64 == 0, "one thread per query row when locating rows");
   static_assert(NST >= 2, "the loop waits for all but NST - 2 copy groups");
 
+  grid_dependency_wait();  // the prologue's writes (cache rows, Q workspace) are visible from here
   if ((int)blockIdx.x < zero_ctas) {
     prefill_zero_pass<T, WARPS>(out, cum, batch_size, token_count, num_heads, D);
     return;

@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(128) paged_prologue(
     int num_heads, int kv_num_heads, int head_size, int batch_size, int num_blocks, int block_size,
     int max_blocks, int packed, int has_value, int rotary_dim, int rotary_max_pos, int rotary_offset,
     int rotary_interleaved, float qk_norm_epsilon, int k_quant, int v_quant) {
+  grid_dependency_launch_dependents();  // the attention kernel may be scheduled now (it waits for us)
   extern __shared__ float row_smem[];
   const int t = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
@@ -34,8 +35,9 @@ __global__ void __launch_bounds__(128) paged_prologue(
   if (split_counters && blockIdx.y == 0)
     for (int i = threadIdx.x; i < counters_per_token; i += blockDim.x) split_counters[(long long)t * counters_per_token + i] = 0;
 
-  const TokenInfo info = locate_token(t, cum, past, batch_size, query_positions,
-                                      (long long)max_blocks * block_size, rotary_dim > 0 ? rotary_max_pos : 0);
+  const TokenInfo info = locate_token_warp(t, cum, past, batch_size, query_positions,
+                                           (long long)max_blocks * block_size, rotary_dim > 0 ? rotary_max_pos : 0,
+                                           lane);
   const long long slot = info.valid ? write_slot(info, t, slot_mapping, block_table, max_blocks, num_blocks, block_size) : -1;
 
   const int H = num_heads, Hk = kv_num_heads, D = head_size;

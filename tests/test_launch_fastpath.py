@@ -413,6 +413,69 @@ def test_fast_route_passes_the_bytes_rawkernel_passes(case, out, via, real_array
     assert seen["fast"] == seen["rawkernel"]
 
 
+@pytest.mark.parametrize("case", ["decode_b8_long_split", "decode_gqa_fp16", "decode_fp32_cuda_cores"])
+def test_programmatic_launch_of_the_decode_kernel(monkeypatch, case):
+    """With programmatic dependent launch on, the decode kernel goes through cuLaunchKernelEx with the
+    PROGRAMMATIC_STREAM_SERIALIZATION attribute and the very bytes of the plain launch; the prologue
+    keeps the plain launch."""
+    from cupa.kernels import launch
+
+    seen, ex_calls = {}, []
+    for pdl in (False, True):
+        fake = FakeCupy()
+
+        def fake_ex(cfg_ptr, func, table, extra, fake=fake):
+            cfg = launch._LaunchConfig.from_address(cfg_ptr)
+            attrs = [(cfg.attrs[i].id, cfg.attrs[i].value[0]) for i in range(cfg.numAttrs)]
+            ex_calls.append((fake._functions[func], attrs))
+            assert extra is None
+            fake.cuda.driver.launchKernel(func, cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX,
+                                          cfg.blockDimY, cfg.blockDimZ, cfg.sharedMemBytes, cfg.hStream or 0,
+                                          table, 0)
+            return 0
+
+        monkeypatch.setattr(launch, "pdl_enabled", lambda device_id, on=pdl: on)
+        monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: fake_ex)
+        with fake_cupy(fake, "fast"):
+            fake._heap[0] = 0x7F00_0000_0000
+            _run(fake, case, out=True, calls=2)
+        seen[pdl] = [launch_[1:] for launch_ in fake.launches]
+    assert seen[True] == seen[False]
+    decode = [name for name, _ in ex_calls]
+    assert decode and set(decode) <= {"paged_decode", "paged_decode_mma"}, decode
+    assert all(attrs == [(launch._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)] for _, attrs in ex_calls)
+    assert len(ex_calls) == sum(1 for launch_ in seen[True] if launch_[0] in ("paged_decode", "paged_decode_mma"))
+
+
+def test_programmatic_launch_switch(monkeypatch):
+    from cupa.kernels import launch
+
+    monkeypatch.setattr(launch, "_capability", lambda device_id: 90)
+    monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: object())
+    monkeypatch.delenv(launch.PDL_ENV, raising=False)
+    assert launch.pdl_enabled(0)
+    monkeypatch.setenv(launch.PDL_ENV, "0")
+    assert not launch.pdl_enabled(0)
+    monkeypatch.delenv(launch.PDL_ENV)
+    monkeypatch.setattr(launch, "_capability", lambda device_id: 80)
+    assert not launch.pdl_enabled(0)
+    monkeypatch.setattr(launch, "_capability", lambda device_id: 90)
+    monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: None)
+    assert not launch.pdl_enabled(0)
+
+
+def test_launch_config_layout_matches_cuda_h():
+    """CUlaunchConfig / CUlaunchAttribute as cuda.h lays them out on 64-bit Linux."""
+    import ctypes
+
+    from cupa.kernels import launch
+
+    assert ctypes.sizeof(launch._LaunchAttribute) == 72
+    assert launch._LaunchAttribute.value.offset == 8
+    assert launch._LaunchConfig.hStream.offset == 32 and launch._LaunchConfig.attrs.offset == 40
+    assert launch._LaunchConfig.numAttrs.offset == 48 and ctypes.sizeof(launch._LaunchConfig) == 56
+
+
 def test_one_workspace_allocation_per_call_and_kernels_per_call():
     fake = FakeCupy()
     with fake_cupy(fake):
@@ -850,3 +913,21 @@ def test_gpu_torch_inputs_both_routes(gpu_cp, rng, restore_mode):
         results[mode] = (got.view(torch.uint8).cpu().numpy().tobytes(),
                          t["key_cache"].view(torch.uint8).cpu().numpy().tobytes())
     assert results["fast"] == results["rawkernel"]
+
+
+@pytest.mark.gpu
+def test_gpu_programmatic_launch_is_on_where_the_device_has_it(gpu_cp, rng, restore_mode, monkeypatch):
+    """On compute capability 9.0+ the fast route launches the decode kernel programmatically (so the
+    GPU tests of the fast route exercise griddepcontrol), and CUPA_PDL=0 gives the same bits."""
+    from tests import gpu_cases as gc
+
+    cp = gpu_cp
+    dev_id = cp.cuda.runtime.getDevice()
+    launch.set_mode("fast")
+    cc = int(cp.cuda.Device(dev_id).compute_capability)
+    assert launch.pdl_enabled(dev_id) == (cc >= 90)
+    inputs, attrs = gc.build(rng, B=5, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500, 0], rotary=True)
+    on = _device_run(cp, inputs, attrs, mode="fast", out=True, md=[1, 4096])
+    monkeypatch.setenv(launch.PDL_ENV, "0")
+    off = _device_run(cp, inputs, attrs, mode="fast", out=True, md=[1, 4096])
+    assert on == off

@@ -107,9 +107,9 @@ class DecodeBackend:
             ws = launch.workspace(r.nbytes) if r.nbytes else None
             base = ws.ptr if ws is not None else 0
             if r.split:
-                ptrs = call.ptrs + [base, call.output.data.ptr, base + r.part_o, base + r.part_ml, base + r.counters]
+                ptrs = call.ptrs + [base, call.output_ptr, base + r.part_o, base + r.part_ml, base + r.counters]
             else:
-                ptrs = call.ptrs + [base, call.output.data.ptr, 0, 0, 0]
+                ptrs = call.ptrs + [base, call.output_ptr, 0, 0, 0]
             r.launches(ptrs, call.stream.ptr)
         return call.finish()
 
@@ -154,7 +154,8 @@ class DecodeBackend:
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + (i32(p.head_size),) + tail)
         r.split = num_splits > 1
         decode_pointers = ((_I["query"],) + _DECODE_POINTERS[1:]) if passthrough else _DECODE_POINTERS
-        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (decode, decode_pointers)], _NPOINTERS)
+        # The decode kernel waits for the prologue in every CTA (grid_dependency_wait): programmatic launch.
+        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (decode, decode_pointers, True)], _NPOINTERS)
         return r
 
 

@@ -14,6 +14,13 @@ Host time per call is most of the cost of a small decode step, so the steady sta
   parameters before ``cuLaunchKernel`` returns (a graph capture copies them into the kernel node),
   so the buffer is reused by the next call; each thread has its own.
 - :func:`workspace` makes one allocation for all of a call's workspaces.
+- A step of a :class:`Sequence` marked *programmatic* (the attention kernel after the prologue) is
+  launched with programmatic dependent launch on compute capability 9.0+ (``cuLaunchKernelEx`` with
+  ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, through ctypes: CuPy has no binding):
+  its CTAs are scheduled while the previous kernel runs (that kernel executes
+  ``griddepcontrol.launch_dependents``) and run their preamble (token lookup, block-table reads)
+  until ``griddepcontrol.wait``, which every CTA executes before reading anything the previous
+  kernel writes, and before exiting. ``CUPA_PDL=0`` launches every step the plain way.
 
 ``CUPA_LAUNCH=rawkernel`` (or :func:`set_mode`) launches through ``cupy.RawKernel.__call__`` instead,
 with the same argument values: the reference route for A/B comparisons.
@@ -21,6 +28,7 @@ with the same argument values: the reference route for A/B comparisons.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import operator
 import os
@@ -74,6 +82,73 @@ def set_mode(mode: str) -> None:
 
 _cupy = None
 
+# -- programmatic dependent launch ----------------------------------------------------------------------
+
+PDL_ENV = "CUPA_PDL"
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h, CUlaunchAttributeID
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=None)
+def _cu_launch_kernel_ex():
+    """The driver's ``cuLaunchKernelEx`` through ctypes, or None where the driver has none."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_id: int) -> int:
+    cc = _cp().cuda.Device(device_id).compute_capability  # "90"
+    return int(cc)
+
+
+def pdl_enabled(device_id: int) -> bool:
+    """Whether programmatic steps launch with programmatic dependent launch on this device."""
+    if os.environ.get(PDL_ENV, "") == "0" or not _FAST:
+        return False
+    try:
+        return _capability(device_id) >= 90 and _cu_launch_kernel_ex() is not None
+    except Exception:  # a fake or partial CuPy, no driver
+        return False
+
+
+def _pdl_launch(launcher, table_ptr: int):
+    """``launch(stream_ptr, table, extra)`` for one programmatic launch of ``launcher``."""
+    ex = _cu_launch_kernel_ex()
+    attr = _LaunchAttribute()
+    attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    cfg = _LaunchConfig(*launcher.grid, *launcher.block, launcher.shared_mem, None, ctypes.pointer(attr), 1)
+    cfg_ptr = ctypes.addressof(cfg)
+    func = launcher.kernel.kernel.ptr
+    check = getattr(_cp().cuda.driver, "check_status", None)
+
+    def launch(stream_ptr, table, extra, cfg=cfg, attr=attr):  # cfg/attr: kept alive with the closure
+        cfg.hStream = stream_ptr
+        status = ex(cfg_ptr, func, table, None)
+        if status:
+            if check is not None:
+                check(status)
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
+
+    return launch
+
 
 def _cp():
     global _cupy
@@ -111,14 +186,21 @@ class Call:
     Attributes
     ----------
     dev : dict
-        Input name -> CuPy array or None.
+        Input name -> CuPy array or None (built on first use where the inputs are not CuPy arrays).
     ptrs : list of int
         Device pointer of every tensor input in ``INPUT_NAMES`` order (attention_metadata left out;
         0 for an absent input); :data:`PTR_INDEX` maps names to positions.
     stream : CuPy stream
         The stream the call runs on; ``with call:`` makes it (and the call's device) current.
     output : CuPy array
-        The output (a view of the user's ``out`` when given).
+        The output (a view of the user's ``out`` when given; built on first use for a torch ``out``).
+    output_ptr : int
+        The output's device pointer.
+
+    Two fast cases skip :func:`arrays.device_arrays`: every present input a C-contiguous
+    ``cupy.ndarray`` on one device, and every present input a contiguous CUDA ``torch.Tensor`` on
+    one device with ``stream=None`` (the call runs on PyTorch's current stream; pointers come from
+    ``data_ptr()``, and no CuPy view is made unless a backend asks for ``dev`` or ``output``).
     """
 
     def __init__(self, problem: Problem, inputs: dict, out, stream):
@@ -130,22 +212,30 @@ class Call:
         cuda = cupy.cuda
         current = cuda.get_current_stream()
         fast = None
-        if type(query) is nd:
+        self._lazy = None    # "cupy" / "torch": dev (and, for torch, output) made on first use
+        self._out = out
+        qtype = type(query)
+        if qtype is nd:
             self.stream = current if stream is None else arrays.resolve_stream(stream, query)
             if nd is CUPY_NDARRAY or _has_contiguity_attr(nd):
                 fast = _cupy_inputs(nd, inputs)
+                if fast is not None:
+                    self._lazy = "cupy"
         else:
+            if stream is None and (qtype is TORCH_TENSOR or _is_torch_tensor_type(qtype)):
+                fast = _torch_inputs(qtype, inputs)
+                if fast is not None:
+                    self._lazy = "torch"
             self.stream = arrays.resolve_stream(stream, query)
         if fast is None:  # other libraries, several devices, a violation: the general path (and its errors)
-            self._all_cupy = False
             dev, device_id = arrays.device_arrays({n: inputs[n] for n in _TENSORS}, self.stream)
             self._dev = dev
             ptrs = [0 if dev[n] is None else dev[n].data.ptr for n in _TENSORS]
         else:
-            self._all_cupy = True
-            self._dev = None  # built on first use from inputs (the arrays themselves)
+            self._dev = None  # built on first use from inputs
             self._inputs = inputs
             device_id, ptrs = fast
+        self._all_cupy = self._lazy == "cupy"
         self.device_id, self.ptrs = device_id, ptrs
         if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15:
             for i in _VECTOR_READ_INDEX:
@@ -155,25 +245,43 @@ class Call:
         set_device = self._set_device = cuda.runtime.getDevice() != device_id
         # Another device: its own current stream; enter both. Same device: enter the stream if not current.
         self._set_stream = set_device or self.stream.ptr != current.ptr
+        self._output = None
         if out is None:
             with self:
                 if self._all_cupy:
-                    self.output = cupy.empty(problem.output_shape, dtype=query.dtype)
+                    output = cupy.empty(problem.output_shape, dtype=query.dtype)
                 else:
-                    self.output = arrays.empty_output(problem.output_shape, problem.dtype, query, device_id)
+                    output = arrays.empty_output(problem.output_shape, problem.dtype, query, device_id)
             if graphs._active:
-                graphs.keep_alive(self.output)  # a captured graph writes it at every replay
+                graphs.keep_alive(output)  # a captured graph writes it at every replay
+            self._output, self.output_ptr = output, output.data.ptr
         elif (self._all_cupy and type(out) is nd and out._c_contiguous and out.dtype == query.dtype
               and out.data.device_id == device_id and out.shape == _output_shape(problem)):
-            self.output = out  # what arrays.check_out returns for a valid CuPy out with a CuPy query
+            self._output, self.output_ptr = out, out.data.ptr  # what arrays.check_out returns here
+        elif (self._lazy == "torch" and type(out) is qtype and out.is_cuda and out.is_contiguous()
+              and out.dtype == query.dtype and out.get_device() == device_id
+              and out.shape == _output_shape(problem)):
+            self.output_ptr = out.data_ptr()  # the CuPy view (output) is made only if a backend asks
         else:
-            self.output = arrays.check_out(out, problem.output_shape, problem.dtype, query, device_id)
+            self._output = arrays.check_out(out, problem.output_shape, problem.dtype, query, device_id)
+            self.output_ptr = self._output.data.ptr
+
+    @property
+    def output(self):
+        """The output as a CuPy array (a view of the user's ``out`` when given)."""
+        if self._output is None:
+            self._output = arrays.check_out(self._out, self.problem.output_shape, self.problem.dtype, self.query,
+                                            self.device_id)
+        return self._output
 
     @property
     def dev(self) -> dict:
         """Input name -> CuPy array or None (attention_metadata left out)."""
         if self._dev is None:
-            self._dev = {n: self._inputs[n] for n in _TENSORS}
+            if self._lazy == "cupy":
+                self._dev = {n: self._inputs[n] for n in _TENSORS}
+            else:
+                self._dev = arrays.device_arrays({n: self._inputs[n] for n in _TENSORS}, self.stream)[0]
         return self._dev
 
     @property
@@ -203,7 +311,9 @@ class Call:
     def finish(self):
         """The output in the library of ``query`` (the user's ``out`` itself when given)."""
         if self._all_cupy:
-            return self.output
+            return self._output
+        if self._lazy == "torch" and self._out is not None:
+            return self._out  # on PyTorch's current stream already: nothing to order
         return arrays.wrap_output(self.output, like=self.query, stream=self.stream)
 
 
@@ -255,6 +365,39 @@ def _cupy_inputs(nd, inputs: dict):
                 return None
             device = mem.device_id
         append(mem.ptr)
+    return None if device == -1 else (device, ptrs)
+
+
+#: ``torch.Tensor`` once a Call has seen one (an identity test per call), else None.
+TORCH_TENSOR = None
+
+
+def _is_torch_tensor_type(t) -> bool:
+    global TORCH_TENSOR
+    if t.__name__ == "Tensor" and t.__module__ == "torch":
+        TORCH_TENSOR = t
+        return True
+    return False
+
+
+def _torch_inputs(tensor_type, inputs: dict):
+    """``(device_id, ptrs)`` when every present input is a contiguous CUDA ``torch.Tensor`` (exactly that
+    type) on one device, else None (the general path, which raises the errors)."""
+    ptrs = []
+    append = ptrs.append
+    device = -1
+    for x in _GET_TENSORS(inputs):
+        if x is None:
+            append(0)
+            continue
+        if type(x) is not tensor_type or not x.is_cuda or not x.is_contiguous():
+            return None
+        d = x.get_device()
+        if d != device:
+            if device != -1:
+                return None
+            device = d
+        append(x.data_ptr())
     return None if device == -1 else (device, ptrs)
 
 
@@ -363,8 +506,11 @@ class Sequence:
 
     Parameters
     ----------
-    steps : list of (Launcher, indices)
+    steps : list of (Launcher, indices) or (Launcher, indices, programmatic)
         ``indices[j]``: the position in the pointer list of the launcher's j-th :data:`POINTER`.
+        ``programmatic`` (default False): the kernel executes ``grid_dependency_wait()`` (common.cuh)
+        in every CTA before it reads what the previous step writes and before it exits, so it may
+        be launched with programmatic dependent launch (see the module docstring).
     npointers : int
         Length of the pointer list given at each launch.
 
@@ -374,10 +520,11 @@ class Sequence:
     kernels is one slot).
     """
 
-    __slots__ = ("steps", "npointers", "_pack", "_tls")
+    __slots__ = ("steps", "programmatic", "npointers", "_pack", "_tls")
 
     def __init__(self, steps, npointers: int):
-        self.steps = [(launcher, tuple(int(i) for i in indices)) for launcher, indices in steps]
+        self.steps = [(step[0], tuple(int(i) for i in step[1])) for step in steps]
+        self.programmatic = tuple(len(step) > 2 and bool(step[2]) for step in steps)
         for launcher, indices in self.steps:
             if len(indices) != len(launcher.pointer_positions) or any(not 0 <= i < npointers for i in indices):
                 raise ValueError("Sequence: each launcher needs one index in [0, npointers) per POINTER")
@@ -397,7 +544,8 @@ class Sequence:
         base = values.ctypes.data
         slot = self.npointers
         launches, tables = [], []
-        for launcher, indices in self.steps:
+        pdl = any(self.programmatic) and pdl_enabled(cp.cuda.runtime.getDevice())
+        for (launcher, indices), programmatic in zip(self.steps, self.programmatic):
             table = np.zeros(max(1, len(launcher.args)), dtype=np.uint64)
             pointer = iter(indices)
             for i, a in enumerate(launcher.args):
@@ -408,8 +556,11 @@ class Sequence:
                     table[i] = base + 8 * slot
                     slot += 1
             tables.append(table)
-            fn = functools.partial(cp.cuda.driver.launchKernel, launcher.kernel.kernel.ptr, *launcher.grid,
-                                   *launcher.block, launcher.shared_mem)
+            if pdl and programmatic:
+                fn = _pdl_launch(launcher, table.ctypes.data)
+            else:
+                fn = functools.partial(cp.cuda.driver.launchKernel, launcher.kernel.kernel.ptr, *launcher.grid,
+                                       *launcher.block, launcher.shared_mem)
             launches.append((fn, table.ctypes.data))
         buffers = (values, tuple(launches), tables)  # tables: kept alive with the values
         self._tls.buffers = buffers

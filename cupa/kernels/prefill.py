@@ -106,8 +106,8 @@ class PrefillBackend:
         call = launch.prepare(p, inputs, out, stream)
         if p.token_count == 0:
             return call.finish()
-        if call.output.data.ptr % 16:
-            raise fail("out", f"a device pointer at {call.output.data.ptr:#x}",
+        if call.output_ptr % 16:
+            raise fail("out", f"a device pointer at {call.output_ptr:#x}",
                        "16-byte alignment (the prefill kernel stores whole 16-byte chunks)")
         cp = call.cupy
         with call:
