@@ -11,9 +11,12 @@ Decode steps (fp16, GQA 32/8, D=128, block 16, L=4096, B=1 and B=8), one layer a
 Host overhead of one eager call through a bound ``cupa.PagedAttention`` (target < 20 us): a tiny
 problem (B=1, L=16) enqueued many times behind a spin kernel, so the launch queue never blocks and
 perf_counter measures Python plus launch API time only; CuPy inputs with and without ``out=``, and
-the same with PyTorch tensors when torch is installed; plus ``op.plan`` alone and ``g.replay()``.
+the same with PyTorch tensors when torch is installed; plus ``op.plan`` alone, ``g.replay()``, and
+the driver floor: the call's two kernel launches replayed alone (same grids and pointers), so that
+``python_us`` = time - floor is cupa's own Python per call. The rows are measured in turn, seven
+rounds over (the host's speed drifts), with the process pinned to one CPU.
 
-    python benchmarks/bench_graphs.py --out benchmarks/results/graphs.json [--quick]
+    python benchmarks/bench_graphs.py --out benchmarks/results/graphs.json [--quick] [--host-only] [--cpu N]
 """
 
 from __future__ import annotations
@@ -124,21 +127,59 @@ def bench_step(cp, timer, spinner, B, L, layers, reps, steps) -> dict:
     return row
 
 
+def _launch_floor(cp, op, args, md, out):
+    """``fn()`` that replays just the driver launches of one decode call of ``op`` (its prologue and
+    attention kernels, same grids, same pointers; no planning, no checks): the host cost no Python
+    can remove, so that ``eager - floor`` is the Python part of a call."""
+    from cupa.kernels import decode, launch
+
+    problem, backend, inputs = op.plan(*args, attention_metadata=md)
+    if backend.name != "decode":
+        return None
+    call = launch.prepare(problem, inputs, out, None)
+    recipe = problem.__dict__[decode._RECIPES][call.device_id]
+    if recipe.nbytes:
+        return None  # a workspace per call: not the tiny problem this floor is for
+    ptrs = call.ptrs + [0, call.output_ptr, 0, 0, 0]
+    stream_ptr = call.stream.ptr
+    return lambda: recipe.launches(ptrs, stream_ptr)
+
+
+def interleaved_host_times(cp, spinner, fns: dict, calls: int, rounds: int = 7, stream=None) -> dict:
+    """Per-call host time of each ``fns`` entry, the entries measured in turn, ``rounds`` times over
+    (the host's speed drifts: this way each entry sees the same drift); median and min over the
+    rounds' medians."""
+    seen = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, (fn, s) in fns.items():
+            seen[name].append(host_time_us(cp, spinner, fn, calls, repeats=5, stream=s)["median_us"])
+    return {name: {"median_us": statistics.median(v), "min_us": min(v), "calls": calls, "rounds": rounds}
+            for name, v in seen.items()}
+
+
 def bench_host_overhead(cp, spinner, calls: int) -> list:
-    """Per-call host time of one eager call on a tiny problem (B=1, L=16), GPU kept busy."""
-    rows = []
+    """Per-call host time of one eager call on a tiny problem (B=1, L=16), GPU kept busy.
+
+    ``launches only`` replays the call's two driver launches alone: ``python_us`` = a row's time minus
+    that floor is what cupa's Python costs per call (the issue's target: under 20 us).
+    """
     case = make_case(cp, 1, 16, H, HK, D, BS)
     op = cupa.PagedAttention(num_heads=H, kv_num_heads=HK)
     md = np.array([1, 16], dtype=np.int32)
     args = (case["q"], case["k"], case["v"], case["kc"], case["vc"], case["cum"], case["past"], case["bt"])
     out = cp.empty_like(case["q"])
-    rows.append(("cupy, out=", host_time_us(cp, spinner, lambda: op(*args, attention_metadata=md, out=out), calls)))
-    rows.append(("cupy, no out", host_time_us(cp, spinner, lambda: op(*args, attention_metadata=md), calls)))
-    rows.append(("cupy, no metadata", host_time_us(cp, spinner, lambda: op(*args, out=out), calls)))
-    rows.append(("cupy, op.plan only", host_time_us(cp, spinner, lambda: op.plan(*args, attention_metadata=md), calls)))
-    rows.append(("cupy, paged_attention()", host_time_us(
-        cp, spinner, lambda: cupa.paged_attention(*args, attention_metadata=md, out=out, num_heads=H,
-                                                  kv_num_heads=HK), calls)))
+    fns = {
+        "cupy, out=": (lambda: op(*args, attention_metadata=md, out=out), None),
+        "cupy, no out": (lambda: op(*args, attention_metadata=md), None),
+        "cupy, no metadata": (lambda: op(*args, out=out), None),
+        "cupy, op.plan only": (lambda: op.plan(*args, attention_metadata=md), None),
+        "cupy, paged_attention()": (lambda: cupa.paged_attention(*args, attention_metadata=md, out=out, num_heads=H,
+                                                                 kv_num_heads=HK), None),
+    }
+    op(*args, attention_metadata=md, out=out)
+    floor = _launch_floor(cp, op, args, md, out)
+    if floor is not None:
+        fns["launches only (driver floor)"] = (floor, None)
     try:
         import torch
     except ImportError:
@@ -146,18 +187,23 @@ def bench_host_overhead(cp, spinner, calls: int) -> list:
     if torch is not None and torch.cuda.is_available():
         targs = tuple(torch.from_dlpack(a) for a in args)
         tout = torch.empty_like(targs[0])
-        ts = torch.cuda.current_stream()
-        tstream = cupa.arrays.resolve_stream(ts)
-        rows.append(("torch, out=", host_time_us(cp, spinner, lambda: op(*targs, attention_metadata=md, out=tout),
-                                                 calls, stream=tstream)))
-        rows.append(("torch, no out", host_time_us(cp, spinner, lambda: op(*targs, attention_metadata=md), calls,
-                                                   stream=tstream)))
+        tstream = cupa.arrays.resolve_stream(torch.cuda.current_stream())
+        fns["torch, out="] = (lambda: op(*targs, attention_metadata=md, out=tout), tstream)
+        fns["torch, no out"] = (lambda: op(*targs, attention_metadata=md), tstream)
     stream = cp.cuda.Stream(non_blocking=True)
     g = cupa.capture_graph(lambda: op(*args, attention_metadata=md, out=out), stream=stream)
+    fns["graph replay (1 call)"] = (g.replay, stream)
     with stream:
-        rows.append(("graph replay (1 call)", host_time_us(cp, spinner, g.replay, calls, stream=stream)))
+        pass
+    res = interleaved_host_times(cp, spinner, fns, calls)
     g.close()
-    return [{"case": name, **res} for name, res in rows]
+    rows = [{"case": name, **r} for name, r in res.items()]
+    if floor is not None:
+        f = res["launches only (driver floor)"]["median_us"]
+        for row in rows:
+            if row["case"] not in ("launches only (driver floor)", "graph replay (1 call)", "cupy, op.plan only"):
+                row["python_us"] = row["median_us"] - f
+    return rows
 
 
 def main(argv=None):
@@ -165,7 +211,14 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/graphs.json")
     ap.add_argument("--quick", action="store_true", help="fewer reps, no 32-layer B=8 stack")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--cpu", type=int, default=-1,
+                    help="pin the process to this CPU (default: the last one it may run on; -2: do not pin)")
+    ap.add_argument("--host-only", action="store_true", help="only the host-overhead rows")
     args = ap.parse_args(argv)
+    cpu = None
+    if args.cpu != -2 and hasattr(os, "sched_setaffinity"):
+        cpu = args.cpu if args.cpu >= 0 else max(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpu})
     import cupy as cp
 
     reps = 10 if args.quick else 30
@@ -176,12 +229,15 @@ def main(argv=None):
     configs = [(1, 1), (8, 1), (1, args.layers), (8, args.layers)]
     if args.quick:
         configs = [(1, 1), (8, 1), (1, args.layers)]
+    if args.host_only:
+        configs = []
     steps_rows = [bench_step(cp, timer, spinner, B, L, layers, reps, steps if layers == 1 else steps // 4)
                   for B, layers in configs]
     host_rows = bench_host_overhead(cp, spinner, calls=100)
     payload = {"benchmark": "graphs", "environment": environment(cp),
                "shape": {"H": H, "Hk": HK, "D": D, "block_size": BS, "dtype": "float16", "L": L},
-               "decode_steps": steps_rows, "host_overhead": host_rows, "host_target_us": 20.0}
+               "decode_steps": steps_rows, "host_overhead": host_rows, "host_target_us": 20.0,
+               "pinned_cpu": cpu}
     write_json(args.out, payload)
 
     print(f"decode step, fp16 GQA {H}/{HK} D={D} block {BS} L={L} (us; loop = wall clock per step back to back)")
@@ -191,10 +247,12 @@ def main(argv=None):
         print(f"{r['B']:3d} {r['layers']:6d} | {r['eager_loop_us']:10.1f} {r['replay_loop_us']:11.1f} "
               f"{r['speedup_loop']:5.2f} | {r['eager_gpu_us']:9.1f} {r['replay_gpu_us']:10.1f} | "
               f"{r['eager_host_us']:10.1f} {r['replay_host_us']:11.1f}")
-    print(f"\nhost time per call, tiny problem, GPU held busy (target < 20 us)")
-    print(f"{'case':28s} {'median us':>9s} {'min us':>7s}")
+    print(f"\nhost time per call, tiny problem, GPU held busy; python = time - driver floor (target: python < 20 us)"
+          f"{'' if cpu is None else f'; pinned to CPU {cpu}'}")
+    print(f"{'case':30s} {'median us':>9s} {'min us':>7s} {'python us':>9s}")
     for r in host_rows:
-        print(f"{r['case']:28s} {r['median_us']:9.1f} {r['min_us']:7.1f}")
+        py = r.get("python_us")
+        print(f"{r['case']:30s} {r['median_us']:9.1f} {r['min_us']:7.1f} {'-' if py is None else f'{py:.1f}':>9s}")
 
 
 if __name__ == "__main__":
