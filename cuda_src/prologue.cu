@@ -48,12 +48,49 @@ __global__ void __launch_bounds__(128) paged_prologue(
   const T* k_src = packed ? q_src + H * D : key + t * kv_stride;
   const T* v_src = packed ? q_src + (H + Hk) * D : (has_value ? value + t * kv_stride : nullptr);
 
+  // Rows stored as they come (a cache of T: V always, K without QK-norm and rotary) are plain
+  // copies: 16-byte chunks spread over every thread of the token's CTAs, each thread's loads all
+  // issued before its stores (one memory round trip however many rows). The loop below skips them.
+  constexpr bool same_type = !Cache::quantized && sizeof(typename Cache::storage) == sizeof(T);
+  const bool k_plain = same_type && !q_norm_weight && rotary_dim == 0;
+  if (same_type && slot >= 0) {
+    const int first = k_plain ? H : H + Hk;  // the plain rows are [first, rows)
+    const int cpr = D * (int)sizeof(T) / 16;  // 16-byte chunks per row (D % 8 == 0)
+    const int total = (rows - first) * cpr, stride = (int)(blockDim.x * gridDim.y);
+    constexpr int U = 4;
+    for (int base = (int)(blockIdx.y * blockDim.x + threadIdx.x); base < total; base += U * stride) {
+      uint4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * stride;
+        if (i < total) {
+          const int r = first + i / cpr, chunk = i % cpr;
+          const bool is_k = r < H + Hk;
+          const T* src = (is_k ? k_src + (r - H) * D : v_src + (r - H - Hk) * D) + chunk * (16 / (int)sizeof(T));
+          v[u] = __ldg(reinterpret_cast<const uint4*>(src));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * stride;
+        if (i < total) {
+          const int r = first + i / cpr, chunk = i % cpr;
+          const bool is_k = r < H + Hk;
+          const int head = is_k ? r - H : r - H - Hk;
+          typename Cache::storage* dst = (is_k ? key_cache : value_cache) + (slot * Hk + head) * D;
+          *reinterpret_cast<uint4*>(dst + chunk * (16 / (int)sizeof(T))) = v[u];
+        }
+      }
+    }
+  }
+
   // write_q == 0: Q needs no transform (unpacked, no QK-norm, no rotary) and the attention kernel
   // reads `query` itself; only the K/V rows are done here.
   for (int r = (write_q ? 0 : H) + blockIdx.y * num_warps + warp; r < rows; r += num_warps * gridDim.y) {
     const bool is_q = r < H, is_k = !is_q && r < H + Hk;
     const int head = is_q ? r : (is_k ? r - H : r - H - Hk);
     if (!is_q && slot < 0) continue;  // nothing to write for this token
+    if (same_type && !is_q && (!is_k || k_plain)) continue;  // copied above
     const T* src = is_q ? q_src + head * D : (is_k ? k_src : v_src) + head * D;
     for (int c = lane * 8; c < D; c += 256) {
       float v[8];
