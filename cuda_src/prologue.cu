@@ -35,11 +35,6 @@ __global__ void __launch_bounds__(128) paged_prologue(
   if (split_counters && blockIdx.y == 0)
     for (int i = threadIdx.x; i < counters_per_token; i += blockDim.x) split_counters[(long long)t * counters_per_token + i] = 0;
 
-  const TokenInfo info = locate_token_warp(t, cum, past, batch_size, query_positions,
-                                           (long long)max_blocks * block_size, rotary_dim > 0 ? rotary_max_pos : 0,
-                                           lane);
-  const long long slot = info.valid ? write_slot(info, t, slot_mapping, block_table, max_blocks, num_blocks, block_size) : -1;
-
   const int H = num_heads, Hk = kv_num_heads, D = head_size;
   const int rows = H + Hk + (has_value ? Hk : 0);
   const long long q_stride = packed ? (long long)(H + 2 * Hk) * D : (long long)H * D;
@@ -49,34 +44,59 @@ __global__ void __launch_bounds__(128) paged_prologue(
   const T* v_src = packed ? q_src + (H + Hk) * D : (has_value ? value + t * kv_stride : nullptr);
 
   // Rows stored as they come (a cache of T: V always, K without QK-norm and rotary) are plain
-  // copies: 16-byte chunks spread over every thread of the token's CTAs, each thread's loads all
-  // issued before its stores (one memory round trip however many rows). The loop below skips them.
+  // copies: 16-byte chunks spread over every thread of the token's CTAs. A thread's first U chunks
+  // are loaded before the token lookup (they depend on t alone), so the loads overlap the lookup's
+  // latency; its stores wait for the slot. The row loop below skips these rows.
   constexpr bool same_type = !Cache::quantized && sizeof(typename Cache::storage) == sizeof(T);
+  constexpr int U = 4;
   const bool k_plain = same_type && !q_norm_weight && rotary_dim == 0;
-  if (same_type && slot >= 0) {
-    const int first = k_plain ? H : H + Hk;  // the plain rows are [first, rows)
-    const int cpr = D * (int)sizeof(T) / 16;  // 16-byte chunks per row (D % 8 == 0)
-    const int total = (rows - first) * cpr, stride = (int)(blockDim.x * gridDim.y);
-    constexpr int U = 4;
-    for (int base = (int)(blockIdx.y * blockDim.x + threadIdx.x); base < total; base += U * stride) {
-      uint4 v[U];
+  const int first_plain = k_plain ? H : H + Hk;  // the plain rows are [first_plain, rows)
+  const int cpr = D * (int)sizeof(T) / 16;       // 16-byte chunks per row (D % 8 == 0)
+  const int plain_total = same_type ? (rows - first_plain) * cpr : 0;
+  const int plain_stride = (int)(blockDim.x * gridDim.y), plain_base = (int)(blockIdx.y * blockDim.x + threadIdx.x);
+  auto plain_row = [&](int i, bool& is_k, int& head, int& chunk) {
+    const int r = first_plain + i / cpr;
+    chunk = i % cpr;
+    is_k = r < H + Hk;
+    head = is_k ? r - H : r - H - Hk;
+  };
+  auto plain_load = [&](int base, uint4 (&v)[U]) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int i = base + u * stride;
-        if (i < total) {
-          const int r = first + i / cpr, chunk = i % cpr;
-          const bool is_k = r < H + Hk;
-          const T* src = (is_k ? k_src + (r - H) * D : v_src + (r - H - Hk) * D) + chunk * (16 / (int)sizeof(T));
-          v[u] = __ldg(reinterpret_cast<const uint4*>(src));
-        }
+    for (int u = 0; u < U; ++u) {
+      const int i = base + u * plain_stride;
+      if (i < plain_total) {
+        bool is_k;
+        int head, chunk;
+        plain_row(i, is_k, head, chunk);
+        const T* src = (is_k ? k_src : v_src) + head * D + chunk * (16 / (int)sizeof(T));
+        v[u] = __ldg(reinterpret_cast<const uint4*>(src));
+      }
+    }
+  };
+  uint4 pre[U];
+  if (same_type) plain_load(plain_base, pre);
+
+  const TokenInfo info = locate_token_warp(t, cum, past, batch_size, query_positions,
+                                           (long long)max_blocks * block_size, rotary_dim > 0 ? rotary_max_pos : 0,
+                                           lane);
+  const long long slot = info.valid ? write_slot(info, t, slot_mapping, block_table, max_blocks, num_blocks, block_size) : -1;
+
+  if (same_type && slot >= 0) {
+    for (int base = plain_base; base < plain_total; base += U * plain_stride) {
+      uint4 v[U];
+      if (base == plain_base) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = pre[u];
+      } else {
+        plain_load(base, v);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int i = base + u * stride;
-        if (i < total) {
-          const int r = first + i / cpr, chunk = i % cpr;
-          const bool is_k = r < H + Hk;
-          const int head = is_k ? r - H : r - H - Hk;
+        const int i = base + u * plain_stride;
+        if (i < plain_total) {
+          bool is_k;
+          int head, chunk;
+          plain_row(i, is_k, head, chunk);
           typename Cache::storage* dst = (is_k ? key_cache : value_cache) + (slot * Hk + head) * D;
           *reinterpret_cast<uint4*>(dst + chunk * (16 / (int)sizeof(T))) = v[u];
         }
