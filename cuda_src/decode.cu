@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
     T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ counters,
     int num_heads, int kv_num_heads, int head_size, int batch_size, int num_blocks, int block_size,
     int max_blocks, int chunk, int num_splits, int rotary_max_pos, float scale, float softcap,
-    int window, int is_causal, int k_quant, int v_quant) {
+    int window, int is_causal, int k_quant, int v_quant, int q_is_input) {
   constexpr int U = sizeof(typename Cache::storage) == 4 ? 2 : 4;  // keys in flight per subgroup
   __shared__ float sm_m[DECODE_WARPS][GT], sm_l[DECODE_WARPS][GT];
   __shared__ float sm_o[DECODE_WARPS][GT][MAX_HEAD_SIZE];

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
     T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ counters,
     int num_heads, int kv_num_heads, int batch_size, int num_blocks, int block_size,
     int max_blocks, int chunk, int num_splits, int rotary_max_pos, float scale, float softcap,
-    int window, int is_causal, int k_quant, int v_quant) {
+    int window, int is_causal, int k_quant, int v_quant, int q_is_input) {
   using C = typename Cache::storage;
   using L = MmaDecodeSmem<T, Cache, D>;
   constexpr int NST = L::NST;
@@ -180,28 +180,31 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
                  reinterpret_cast<const char*>(key_cache), reinterpret_cast<const char*>(value_cache));
   };
 
-  // Block-table reads first: they do not depend on the prologue, so with a programmatic launch
-  // they overlap it; then wait for the prologue's Q, cache rows and counters.
+  // Q rows (K scale folded in per channel), zero rows past the chunk's heads.
+  auto load_q = [&]() {
+    for (int c = tid; c < MMA_ROWS * (D / 8); c += blockDim.x) {
+      const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+      if (r < nh && ntiles > 0) {
+        load8(q + ((long long)t * H + h0 + r) * D + col, v);
+        if (k_quant == QUANT_PER_CHANNEL) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] *= k_scale[g * D + col + i];
+        }
+      }
+      store8(sQ + swz<D>(r, col), v);
+    }
+  };
+  // What does not depend on the prologue comes first, so that with a programmatic launch it overlaps
+  // the prologue: Q when it is `query` itself (q_is_input: the prologue never writes it) and the
+  // block-table reads; then wait for the prologue's Q workspace, cache rows and counters.
+  if (q_is_input) load_q();
 #pragma unroll
   for (int s = 0; s < NST; ++s) find_rows(s);
   grid_dependency_wait();
-
-  // Q rows (K scale folded in per channel), zero rows past the chunk's heads.
-  for (int c = tid; c < MMA_ROWS * (D / 8); c += blockDim.x) {
-    const int r = c / (D / 8), col = (c % (D / 8)) * 8;
-    float v[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = 0.0f;
-    if (r < nh && ntiles > 0) {
-      load8(q + ((long long)t * H + h0 + r) * D + col, v);
-      if (k_quant == QUANT_PER_CHANNEL) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] *= k_scale[g * D + col + i];
-      }
-    }
-    store8(sQ + swz<D>(r, col), v);
-  }
-
+  if (!q_is_input) load_q();
   __syncthreads();  // sQ, row offsets of the first NST tiles
 #pragma unroll
   for (int s = 0; s < NST - 1; ++s) {

@@ -565,9 +565,15 @@ def test_prologue_uses_fewer_fuller_ctas_for_many_tokens():
         op = cupa.PagedAttention(**attrs)
         problem = op.plan(**x)[0]
         launcher = prologue.prologue_launcher(problem)
-        assert launcher.grid[:2] == (4 * 2048, 1)   # one row group per token: each warp does 4 rows
+        # one row group per token, then 4 tokens per CTA (8192 tokens >= 4 x 10 CTAs x 132 SMs)
+        assert launcher.grid[:2] == (4 * 2048 // 4, 1)
+        assert launcher.args[-2:] == (np.int32(4 * 2048), np.int32(4))   # token_count, tokens_per_cta
         small = op.plan(**fake_case(fake, B=2, L=64, H=32, Hk=8, D=128)[0])[0]
         assert prologue.prologue_launcher(small).grid[:2] == (2, 4)
+        assert prologue.prologue_launcher(small).args[-1] == 1
+        assert prologue.prologue_grid(problem, 132) == (1, 4)
+        assert prologue.prologue_grid(problem, 400) == (1, 2)   # 8192 // (10 x 400)
+        assert prologue.prologue_grid(problem, 500) == (1, 1)    # 8192 // (10 x 500) = 1
 
 
 def test_no_workspace_without_splits_or_q_transform():

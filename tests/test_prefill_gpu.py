@@ -77,6 +77,31 @@ def test_prefill_int8(cp, rng):
     check_prefill(cp, inputs, attrs, cache="int8")
 
 
+@pytest.mark.parametrize("variant", ["plain", "rotary_norm", "int8", "slot_mapping_skip"])
+def test_prologue_several_tokens_per_cta(cp, rng, variant):
+    """Enough tokens that the prologue groups 2+ tokens per CTA: plain 16-byte copies of several
+    tokens, the per-row path token by token, and skipped writes (slot -1) among grouped tokens."""
+    from cupa.kernels import launch, prologue
+
+    kw = dict(q_lens=[1500, 0, 1450], past=[0, 7, 60], H=4, Hk=2, D=64, block_size=16)
+    cache = "T"
+    if variant == "rotary_norm":
+        kw.update(rotary=True, qk_norm=True)
+    elif variant == "int8":
+        kw.update(cache="int8", k_quant="PER_CHANNEL", v_quant="PER_TENSOR")
+        cache = "int8"
+    inputs, attrs = gc.build(rng, **kw)
+    if variant == "slot_mapping_skip":
+        slots = gc.derived_slots(inputs, 16)
+        for i in (0, 1, 5, 1501, 2949):
+            slots[i] = -1
+        inputs["slot_mapping"] = np.asarray(slots, dtype=np.int32)
+    op = cupa.PagedAttention(**attrs)
+    problem = op.plan(**gc.to_device(cp, inputs))[0]
+    assert prologue.prologue_grid(problem, launch.sm_count_hint())[1] >= 2
+    check_prefill(cp, inputs, attrs, cache=cache)
+
+
 def test_prefill_window_sink_softcap(cp, rng):
     inputs, attrs = gc.build(rng, q_lens=[90, 3, 40], past=[50, 7, 0], H=8, Hk=2, D=64, window=33, sink=True,
                              softcap=30.0)

@@ -139,7 +139,7 @@ class DecodeBackend:
             i32(p.batch_size), i32(p.num_blocks), i32(p.block_size), i32(p.max_blocks_per_seq), i32(chunk),
             i32(num_splits), i32(p.rotary_max_pos if p.rotary_dim else 0), f32(p.scale), f32(a.softcap),
             i32(a.local_window_size), i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]),
-            i32(types.QUANT_CODE[p.v_quant]))
+            i32(types.QUANT_CODE[p.v_quant]), i32(passthrough))
         grid = (p.token_count, p.kv_num_heads * head_chunks, num_splits)
         if uses_mma(p):
             spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size)

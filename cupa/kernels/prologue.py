@@ -27,6 +27,10 @@ def q_passthrough(problem: Problem) -> bool:
 # and fuller CTAs once the token count alone fills the GPU many times over (prefill: the token lookup
 # is amortized over more rows).
 _ROW_GROUP_CTAS_PER_SM = 16
+#: mirrors PROLOGUE_MAX_TPC in cuda_src/prologue.cu
+MAX_TOKENS_PER_CTA = 4
+# About one wave of prologue CTAs (10 fit an SM by registers) before tokens are grouped.
+_TOKENS_CTAS_PER_SM = 10
 
 
 def prologue_launcher(problem: Problem, counters_per_token: int = 0) -> launch.Launcher:
@@ -36,17 +40,33 @@ def prologue_launcher(problem: Problem, counters_per_token: int = 0) -> launch.L
     token, zeroed by the prologue; 0: none)."""
     p, a = problem, problem.attrs
     kernel = jit.get_kernel(registry.prologue_spec(p.dtype, p.cache_kind))
-    shared = (PROLOGUE_THREADS // 32) * p.head_size * 4
+    shared = (PROLOGUE_THREADS // 32) * p.head_size * 4 + 8 * MAX_TOKENS_PER_CTA
     write_q = not q_passthrough(p)
-    rows = (p.num_heads if write_q else 0) + p.kv_num_heads * (1 if p.latent else 2)
-    groups = -(-rows // (PROLOGUE_THREADS // 32))
-    groups = max(1, min(groups, -(-_ROW_GROUP_CTAS_PER_SM * launch.sm_count_hint() // max(1, p.token_count))))
+    groups, tpc = prologue_grid(p, launch.sm_count_hint())
     args = (POINTER,) * (len(POINTER_INPUTS) + 2) + (
-        i32(counters_per_token), i32(write_q), i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.batch_size), i32(p.num_blocks),
-        i32(p.block_size), i32(p.max_blocks_per_seq), i32(p.packed_qkv), i32(not p.latent),
-        i32(p.rotary_dim), i32(p.rotary_max_pos), i32(a.rotary_offset), i32(a.rotary_interleaved),
-        f32(a.qk_norm_epsilon), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant]))
-    return launch.Launcher(kernel, (p.token_count, groups), (PROLOGUE_THREADS,), args, shared_mem=shared)
+        i32(counters_per_token), i32(write_q), i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size),
+        i32(p.batch_size), i32(p.num_blocks), i32(p.block_size), i32(p.max_blocks_per_seq), i32(p.packed_qkv),
+        i32(not p.latent), i32(p.rotary_dim), i32(p.rotary_max_pos), i32(a.rotary_offset),
+        i32(a.rotary_interleaved), f32(a.qk_norm_epsilon), i32(types.QUANT_CODE[p.k_quant]),
+        i32(types.QUANT_CODE[p.v_quant]), i32(p.token_count), i32(tpc))
+    return launch.Launcher(kernel, (-(-p.token_count // tpc), groups), (PROLOGUE_THREADS,), args, shared_mem=shared)
+
+
+def prologue_grid(problem: Problem, sm_count: int) -> tuple:
+    """``(row groups per token, tokens per CTA)`` of the prologue launch, from static sizes only.
+
+    Few tokens: up to one CTA per group of 4 rows of a token (latency). Many tokens: one CTA per
+    token, then (once the tokens alone give ``_TOKENS_CTAS_PER_SM`` CTAs per SM) up to
+    :data:`MAX_TOKENS_PER_CTA` tokens per CTA, so that each thread keeps more bytes in flight.
+    """
+    p = problem
+    rows = (0 if q_passthrough(p) else p.num_heads) + p.kv_num_heads * (1 if p.latent else 2)
+    groups = -(-rows // (PROLOGUE_THREADS // 32))
+    groups = max(1, min(groups, -(-_ROW_GROUP_CTAS_PER_SM * sm_count // max(1, p.token_count))))
+    tpc = 1
+    if groups == 1:
+        tpc = max(1, min(MAX_TOKENS_PER_CTA, p.token_count // (_TOKENS_CTAS_PER_SM * sm_count)))
+    return groups, tpc
 
 
 def launch_prologue(problem: Problem, dev: dict, q_workspace) -> None:
