@@ -435,6 +435,7 @@ def test_programmatic_launch_of_the_decode_kernel(monkeypatch, case):
             return 0
 
         monkeypatch.setattr(launch, "pdl_enabled", lambda device_id, on=pdl: on)
+        monkeypatch.setattr(launch, "_compiled_for_pdl", lambda kernel: True)
         monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: fake_ex)
         with fake_cupy(fake, "fast"):
             fake._heap[0] = 0x7F00_0000_0000
@@ -445,6 +446,38 @@ def test_programmatic_launch_of_the_decode_kernel(monkeypatch, case):
     assert decode and set(decode) <= {"paged_decode", "paged_decode_mma"}, decode
     assert all(attrs == [(launch._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)] for _, attrs in ex_calls)
     assert len(ex_calls) == sum(1 for launch_ in seen[True] if launch_[0] in ("paged_decode", "paged_decode_mma"))
+
+
+def test_no_programmatic_launch_for_a_kernel_compiled_below_sm_90(monkeypatch):
+    """A kernel whose PTX targets an architecture below 9.0 has no griddepcontrol.wait: plain launch."""
+    from cupa.kernels import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "pdl_enabled", lambda device_id: True)
+    monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: lambda *a: calls.append(a) or 0)
+
+    class Old:
+        attributes = {"ptx_version": 80}
+
+    class New:
+        attributes = {"ptx_version": 90}
+
+    assert not launch._compiled_for_pdl(Old()) and launch._compiled_for_pdl(New())
+    assert not launch._compiled_for_pdl(object())
+    fake = FakeCupy()
+    with fake_cupy(fake, "fast"):
+        _run(fake, "decode_b8_long_split", out=True)   # the fake's kernels have no attributes
+    assert calls == [] and any(launch_[1] == "paged_decode_mma" for launch_ in fake.launches)
+
+
+def test_prologue_token_group_limit_matches_the_kernel():
+    import re
+    from pathlib import Path
+
+    from cupa.kernels import prologue
+
+    src = (Path(__file__).resolve().parents[1] / "cuda_src" / "prologue.cu").read_text()
+    assert int(re.search(r"PROLOGUE_MAX_TPC = (\d+);", src).group(1)) == prologue.MAX_TOKENS_PER_CTA
 
 
 def test_programmatic_launch_switch(monkeypatch):
@@ -932,6 +965,11 @@ def test_gpu_programmatic_launch_is_on_where_the_device_has_it(gpu_cp, rng, rest
     launch.set_mode("fast")
     cc = int(cp.cuda.Device(dev_id).compute_capability)
     assert launch.pdl_enabled(dev_id) == (cc >= 90)
+    if cc >= 90:   # the decode kernels are compiled for the device's architecture: the wait is in them
+        from cupa import jit
+        from cupa.kernels import registry
+
+        assert launch._compiled_for_pdl(jit.get_kernel(registry.decode_mma_spec("float16", "T", 128)))
     inputs, attrs = gc.build(rng, B=5, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500, 0], rotary=True)
     on = _device_run(cp, inputs, attrs, mode="fast", out=True, md=[1, 4096])
     monkeypatch.setenv(launch.PDL_ENV, "0")

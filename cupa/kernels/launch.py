@@ -128,6 +128,16 @@ def pdl_enabled(device_id: int) -> bool:
         return False
 
 
+def _compiled_for_pdl(kernel) -> bool:
+    """Whether ``kernel`` (a ``cupy.RawKernel``) was compiled for compute capability 9.0+, where
+    ``grid_dependency_wait()`` is ``griddepcontrol.wait`` and not compiled out (an NVRTC that caps
+    ``-arch`` below the device's would otherwise leave a programmatic launch without its wait)."""
+    try:
+        return int(kernel.attributes["ptx_version"]) >= 90
+    except Exception:
+        return False
+
+
 def _pdl_launch(launcher, table_ptr: int):
     """``launch(stream_ptr, table, extra)`` for one programmatic launch of ``launcher``."""
     ex = _cu_launch_kernel_ex()
@@ -556,7 +566,7 @@ class Sequence:
                     table[i] = base + 8 * slot
                     slot += 1
             tables.append(table)
-            if pdl and programmatic:
+            if pdl and programmatic and _compiled_for_pdl(launcher.kernel):
                 fn = _pdl_launch(launcher, table.ctypes.data)
             else:
                 fn = functools.partial(cp.cuda.driver.launchKernel, launcher.kernel.kernel.ptr, *launcher.grid,
