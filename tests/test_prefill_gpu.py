@@ -102,6 +102,37 @@ def test_prologue_several_tokens_per_cta(cp, rng, variant):
     check_prefill(cp, inputs, attrs, cache=cache)
 
 
+@pytest.mark.parametrize("variant", ["plain", "rotary_slot_skip"])
+def test_prologue_plain_copies_in_many_passes(cp, rng, monkeypatch, variant):
+    """The prologue built with one 16-byte chunk per thread and pass (-DCUPA_PROLOGUE_U=1): the copy
+    loop's later passes (loads after the lookup) on grouped tokens, checked like every case."""
+    from cupa import jit
+    from cupa.kernels import registry
+
+    base = registry.prologue_spec
+
+    def one_chunk(dtype, cache_kind):
+        spec = base(dtype, cache_kind)
+        return jit.Specialization(spec.family, spec.name_expression, ("-DCUPA_PROLOGUE_U=1",))
+
+    from cupa.kernels import launch, prologue
+
+    monkeypatch.setattr(registry, "prologue_spec", one_chunk)
+    # MHA 8/8, D=128: 16 (or 8) plain rows of 16 chunks per token, 2 tokens per CTA -> several passes
+    kw = dict(q_lens=[280] * 9 + [0, 290], past=[0, 5, 40, 0, 300, 7, 0, 16, 1, 3, 0], H=8, Hk=8, D=128)
+    if variant == "rotary_slot_skip":
+        kw.update(rotary=True)
+    inputs, attrs = gc.build(rng, **kw)
+    if variant == "rotary_slot_skip":
+        slots = gc.derived_slots(inputs, 16)
+        for i in (0, 2, 279, 280, 2000):
+            slots[i] = -1
+        inputs["slot_mapping"] = np.asarray(slots, dtype=np.int32)
+    problem = cupa.PagedAttention(**attrs).plan(**gc.to_device(cp, inputs))[0]
+    assert prologue.prologue_grid(problem, launch.sm_count_hint()) == (1, 2)
+    check_prefill(cp, inputs, attrs)
+
+
 def test_prefill_window_sink_softcap(cp, rng):
     inputs, attrs = gc.build(rng, q_lens=[90, 3, 40], past=[50, 7, 0], H=8, Hk=2, D=64, window=33, sink=True,
                              softcap=30.0)
