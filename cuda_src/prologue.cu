@@ -20,7 +20,7 @@
 // Plain-copy chunks of 16 bytes a thread keeps in flight per pass (-DCUPA_PROLOGUE_U=1 in a test
 // forces the multi-pass path); at most PROLOGUE_MAX_TPC tokens per CTA.
 #ifndef CUPA_PROLOGUE_U
-#define CUPA_PROLOGUE_U 8
+#define CUPA_PROLOGUE_U 4
 #endif
 constexpr int PROLOGUE_U = CUPA_PROLOGUE_U;
 constexpr int PROLOGUE_MAX_TPC = 4;
