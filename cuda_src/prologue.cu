@@ -18,7 +18,8 @@
 #include "rope.cuh"
 
 // Plain-copy chunks of 16 bytes a thread keeps in flight per pass (-DCUPA_PROLOGUE_U=1 in a test
-// forces the multi-pass path); at most PROLOGUE_MAX_TPC tokens per CTA.
+// forces the multi-pass path); at most PROLOGUE_MAX_TPC tokens per CTA, no more than its warps
+// (warp k copies token k's plain rows; cupa/kernels/prologue.py keeps to it).
 #ifndef CUPA_PROLOGUE_U
 #define CUPA_PROLOGUE_U 4
 #endif
@@ -39,11 +40,10 @@ __global__ void __launch_bounds__(128) paged_prologue(
     int rotary_interleaved, float qk_norm_epsilon, int k_quant, int v_quant, int token_count,
     int tokens_per_cta) {
   grid_dependency_launch_dependents();  // the attention kernel may be scheduled now (it waits for us)
-  // Dynamic shared memory: one row of head_size floats per warp, then PROLOGUE_MAX_TPC write slots.
+  // Dynamic shared memory: one row of head_size floats per warp.
   extern __shared__ float row_smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
   float* row = row_smem + warp * head_size;
-  long long* sSlot = reinterpret_cast<long long*>(row_smem + num_warps * head_size);
   const int t0 = blockIdx.x * tokens_per_cta;  // this CTA's tokens: t0 .. t0 + ntok - 1
   const int ntok = min(tokens_per_cta, token_count - t0);
   // Zero the decode kernel's split-arrival counters of these tokens (null for the other backends).
@@ -62,74 +62,68 @@ __global__ void __launch_bounds__(128) paged_prologue(
   };
 
   // Rows stored as they come (a cache of T: V always, K without QK-norm and rotary) are plain
-  // copies: 16-byte chunks of all of the CTA's tokens spread over its threads (and over the
-  // gridDim.y CTAs of a token). A thread's first PROLOGUE_U chunks are loaded before the token
-  // lookups (they depend on the tokens alone), so those loads overlap the lookups' latency; the
-  // stores wait for the slots. The row loop below skips these rows.
+  // copies in 16-byte chunks, done by a team of threads per token: all of a token's threads (its
+  // gridDim.y CTAs) when a CTA has one token, else warp k of the CTA for its token k. A member
+  // loads its first PROLOGUE_U chunks (j = member, member + team, ...) before the token's lookup
+  // (they depend on the token alone), so the loads overlap the lookup's latency; no barrier and no
+  // shared memory between the two. The row loop below skips these rows.
   constexpr bool same_type = !Cache::quantized && sizeof(typename Cache::storage) == sizeof(T);
   constexpr int U = PROLOGUE_U;
   const bool k_plain = same_type && !q_norm_weight && rotary_dim == 0;
-  const int first_plain = k_plain ? H : H + Hk;  // the plain rows are [first_plain, rows)
-  const int cpr = D * (int)sizeof(T) / 16;       // 16-byte chunks per row (D % 8 == 0)
-  const int per_token = same_type ? (rows - first_plain) * cpr : 0;
-  const int plain_total = per_token * ntok;
-  const int plain_stride = (int)(blockDim.x * gridDim.y), plain_base = (int)(blockIdx.y * blockDim.x + threadIdx.x);
-  // chunk i: token k = i / per_token of the CTA; row r, 16-byte chunk c of it
-  auto plain_at = [&](int i, int& k, bool& is_k, int& head, int& chunk) {
-    k = i / per_token;
-    const int j = i - k * per_token;
-    const int r = first_plain + j / cpr;
-    chunk = j % cpr;
-    is_k = r < H + Hk;
-    head = is_k ? r - H : r - H - Hk;
-  };
-  auto plain_load = [&](int base, uint4(&v)[same_type ? U : 1]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = base + u * plain_stride;
-      if (i < plain_total) {
-        int k, head, chunk;
-        bool is_k;
-        plain_at(i, k, is_k, head, chunk);
-        const T* src = (is_k ? k_src_of(t0 + k) : v_src_of(t0 + k)) + head * D + chunk * (16 / (int)sizeof(T));
-        v[u] = __ldg(reinterpret_cast<const uint4*>(src));
-      }
-    }
-  };
-  uint4 pre[same_type ? U : 1];
-  if constexpr (same_type) plain_load(plain_base, pre);
-
-  // Write slot of each token (one warp per token), shared through shared memory.
-  for (int k = warp; k < ntok; k += num_warps) {
-    const TokenInfo info = locate_token_warp(t0 + k, cum, past, batch_size, query_positions,
-                                             (long long)max_blocks * block_size, rotary_dim > 0 ? rotary_max_pos : 0,
-                                             lane);
-    const long long slot =
-        info.valid ? write_slot(info, t0 + k, slot_mapping, block_table, max_blocks, num_blocks, block_size) : -1;
-    if (lane == 0) sSlot[k] = slot;
-  }
-  __syncthreads();
-
   if constexpr (same_type) {
-    for (int base = plain_base; base < plain_total; base += U * plain_stride) {
+    const int first_plain = k_plain ? H : H + Hk;  // the plain rows are [first_plain, rows)
+    const int cpr = D * (int)sizeof(T) / 16;       // 16-byte chunks per row (D % 8 == 0)
+    const bool cpr_pow2 = (cpr & (cpr - 1)) == 0;
+    const int cpr_shift = __ffs(cpr) - 1;
+    const int per_token = (rows - first_plain) * cpr;
+    const bool one_token = tokens_per_cta == 1;
+    const int k = one_token ? 0 : warp;  // the CTA's token this thread copies
+    const int team = one_token ? (int)(blockDim.x * gridDim.y) : 32;
+    const int member = one_token ? (int)(blockIdx.y * blockDim.x + threadIdx.x) : lane;
+    if (k < ntok && per_token > 0) {
+      const int t = t0 + k;
+      const T* k_src = k_src_of(t);
+      const T* v_src = v_src_of(t);
+      // row and 16-byte column of the token's chunk j
+      auto chunk_at = [&](int j, bool& is_k, int& head, int& col) {
+        const int r = first_plain + (cpr_pow2 ? j >> cpr_shift : j / cpr);
+        col = cpr_pow2 ? j & (cpr - 1) : j % cpr;
+        is_k = r < H + Hk;
+        head = is_k ? r - H : r - H - Hk;
+      };
+      auto load_pass = [&](int j0, uint4(&v)[U]) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int j = j0 + u * team;
+          if (j < per_token) {
+            bool is_k;
+            int head, col;
+            chunk_at(j, is_k, head, col);
+            v[u] = __ldg(reinterpret_cast<const uint4*>((is_k ? k_src : v_src) + head * D + col * (16 / (int)sizeof(T))));
+          }
+        }
+      };
       uint4 v[U];
-      if (base == plain_base) {
+      load_pass(member, v);
+      const TokenInfo info = locate_token_warp(t, cum, past, batch_size, query_positions,
+                                               (long long)max_blocks * block_size,
+                                               rotary_dim > 0 ? rotary_max_pos : 0, lane);
+      const long long slot =
+          info.valid ? write_slot(info, t, slot_mapping, block_table, max_blocks, num_blocks, block_size) : -1;
+      if (slot >= 0) {
+        for (int j0 = member; j0 < per_token; j0 += U * team) {
+          if (j0 != member) load_pass(j0, v);
 #pragma unroll
-        for (int u = 0; u < U; ++u) v[u] = pre[u];
-      } else {
-        plain_load(base, v);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int i = base + u * plain_stride;
-        if (i < plain_total) {
-          int k, head, chunk;
-          bool is_k;
-          plain_at(i, k, is_k, head, chunk);
-          const long long slot = sSlot[k];
-          if (slot < 0) continue;  // nothing to write for this token
-          typename Cache::storage* dst = (is_k ? key_cache : value_cache) + (slot * Hk + head) * D;
-          *reinterpret_cast<uint4*>(dst + chunk * (16 / (int)sizeof(T))) = v[u];
+          for (int u = 0; u < U; ++u) {
+            const int j = j0 + u * team;
+            if (j < per_token) {
+              bool is_k;
+              int head, col;
+              chunk_at(j, is_k, head, col);
+              typename Cache::storage* dst = (is_k ? key_cache : value_cache) + (slot * Hk + head) * D;
+              *reinterpret_cast<uint4*>(dst + col * (16 / (int)sizeof(T))) = v[u];
+            }
+          }
         }
       }
     }
@@ -141,10 +135,11 @@ __global__ void __launch_bounds__(128) paged_prologue(
   if (!write_q && same_type && k_plain) return;
   for (int k = 0; k < ntok; ++k) {
     const int t = t0 + k;
-    const long long slot = sSlot[k];
     const TokenInfo info = locate_token_warp(t, cum, past, batch_size, query_positions,
                                              (long long)max_blocks * block_size, rotary_dim > 0 ? rotary_max_pos : 0,
                                              lane);
+    const long long slot =
+        info.valid ? write_slot(info, t, slot_mapping, block_table, max_blocks, num_blocks, block_size) : -1;
     const T* q_src = q_src_of(t);
     const T* k_src = k_src_of(t);
     const T* v_src = v_src_of(t);

@@ -478,6 +478,8 @@ def test_prologue_token_group_limit_matches_the_kernel():
 
     src = (Path(__file__).resolve().parents[1] / "cuda_src" / "prologue.cu").read_text()
     assert int(re.search(r"PROLOGUE_MAX_TPC = (\d+);", src).group(1)) == prologue.MAX_TOKENS_PER_CTA
+    # warp k of a CTA copies its token k: never more tokens than warps
+    assert prologue.MAX_TOKENS_PER_CTA <= prologue.PROLOGUE_THREADS // 32
 
 
 def test_programmatic_launch_switch(monkeypatch):

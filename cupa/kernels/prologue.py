@@ -27,7 +27,7 @@ def q_passthrough(problem: Problem) -> bool:
 # and fuller CTAs once the token count alone fills the GPU many times over (prefill: the token lookup
 # is amortized over more rows).
 _ROW_GROUP_CTAS_PER_SM = 16
-#: mirrors PROLOGUE_MAX_TPC in cuda_src/prologue.cu
+#: mirrors PROLOGUE_MAX_TPC in cuda_src/prologue.cu (at most one token per warp)
 MAX_TOKENS_PER_CTA = 4
 # About one wave of prologue CTAs (10 fit an SM by registers) before tokens are grouped.
 _TOKENS_CTAS_PER_SM = 10
@@ -40,7 +40,7 @@ def prologue_launcher(problem: Problem, counters_per_token: int = 0) -> launch.L
     token, zeroed by the prologue; 0: none)."""
     p, a = problem, problem.attrs
     kernel = jit.get_kernel(registry.prologue_spec(p.dtype, p.cache_kind))
-    shared = (PROLOGUE_THREADS // 32) * p.head_size * 4 + 8 * MAX_TOKENS_PER_CTA
+    shared = (PROLOGUE_THREADS // 32) * p.head_size * 4
     write_q = not q_passthrough(p)
     groups, tpc = prologue_grid(p, launch.sm_count_hint())
     args = (POINTER,) * (len(POINTER_INPUTS) + 2) + (
