@@ -89,6 +89,56 @@ CUPA_DEVICE int tile_owner(const int* cum, int batch_size, int token_count, long
   return lo - 1;
 }
 
+// One attention CTA's row tile: tile x of the shared axis and the sequence b that owns it.
+struct RowTile {
+  int b;               // the owning sequence
+  int seq_origin;      // packed token of the sequence's row 0 (owner_origin)
+  int seq_cum;         // cum[b]: tokens before it have no owner (the zero pass writes them)
+  long long rows0;     // the tile's first row within the sequence's rows
+  long long seq_rows;  // the sequence's rows (tokens x G)
+};
+
+// Locate tile x (the whole warp; every warp computes the same, so exits are uniform). False when
+// the CTA has no rows: no owner, or a gap between two sequences' tiles.
+template <int ROWS>
+CUPA_DEVICE bool locate_row_tile(const int* cum, int batch_size, int token_count, long long x, int group,
+                                 int lane, RowTile& rt) {
+  rt.b = tile_owner(cum, batch_size, token_count, x, group, ROWS, lane);
+  if (rt.b < 0) return false;
+  rt.seq_origin = owner_origin(cum, batch_size, rt.b, token_count);
+  rt.rows0 = (x - ((long long)rt.seq_origin * group / ROWS + rt.b)) * ROWS;
+  rt.seq_rows = ((long long)owner_origin(cum, batch_size, rt.b + 1, token_count) - rt.seq_origin) * group;
+  if (rt.rows0 >= rt.seq_rows) return false;
+  rt.seq_cum = __ldg(cum + rt.b);
+  return true;
+}
+
+// Row r of the tile (thread r): its token (-1: not this CTA's row), query head g*G + row % G and
+// admitted key range [lo, hi) (an empty range is stored as 0, 0), into the shared arrays and lo/hi.
+// Tokens in the sequence's interval have find_owner == b; those before cum[b] have no owner.
+CUPA_DEVICE void locate_tile_row(const RowTile& rt, int r, int g, int group, const int* cum, const int* past,
+                                 int batch_size, const int* query_positions, long long kv_capacity,
+                                 int rotary_max_pos, int is_causal, int window, int* sTok, int* sHead, int* sLo,
+                                 int* sHi, int& lo, int& hi) {
+  const long long row = rt.rows0 + r;
+  int tok = -1;
+  lo = hi = 0;
+  const long long tok_in_seq = row / group;
+  sHead[r] = g * group + (int)(row - tok_in_seq * group);
+  if (row < rt.seq_rows) {
+    const int t = rt.seq_origin + (int)tok_in_seq;
+    if (t >= rt.seq_cum) {
+      tok = t;
+      const TokenInfo info = locate_token(t, cum, past, batch_size, query_positions, kv_capacity, rotary_max_pos);
+      if (info.valid) key_range(info, is_causal, window, lo, hi);
+    }
+  }
+  if (hi <= lo) lo = hi = 0;
+  sTok[r] = tok;
+  sLo[r] = lo;
+  sHi[r] = hi;
+}
+
 // The zero pass: CTA z zeroes the output rows of the tokens in [z*THREADS, (z+1)*THREADS) that no
 // sequence owns (t >= cum[B], or cum[find_owner(t)] > t). The attention CTAs write exactly the
 // rows of owned tokens, so every output element is written once per call.

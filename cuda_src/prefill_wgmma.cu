@@ -124,35 +124,17 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
   const long long x = (long long)num_tiles - 1 - cta / Hk;  // heaviest tiles first
 
   // Which sequence and which of its row tiles (every warp computes the same, so exits are uniform).
-  const int N = token_count, B = batch_size;
-  const int b = tile_owner(cum, B, N, x, G, ROWS, lane);
-  if (b < 0) return;
-  const int seq_origin = owner_origin(cum, B, b, N);  // packed token of the sequence's row 0
-  const long long tile_rows0 = (x - ((long long)seq_origin * G / ROWS + b)) * ROWS;  // first row of the tile
-  const long long seq_rows = ((long long)owner_origin(cum, B, b + 1, N) - seq_origin) * G;
-  if (tile_rows0 >= seq_rows) return;  // a gap between two sequences' tiles
-  const int seq_cum = __ldg(cum + b);
+  const int B = batch_size;
+  RowTile rt;
+  if (!locate_row_tile<ROWS>(cum, B, token_count, x, G, lane, rt)) return;
+  const int b = rt.b;
 
   // Each row's token, ownership and admitted range (thread i: row i), as prefill.cu; each locating
   // warp also reduces its rows' union and intersection (over rows with a non-empty range).
   if (tid < ROWS) {
-    const long long row = tile_rows0 + tid;
-    int tok = -1, lo = 0, hi = 0;
-    const long long tok_in_seq = row / G;
-    sHead[tid] = g * G + (int)(row - tok_in_seq * G);
-    if (row < seq_rows) {
-      const int t = seq_origin + (int)tok_in_seq;
-      if (t >= seq_cum) {
-        tok = t;
-        const TokenInfo info = locate_token(t, cum, past, B, query_positions, (long long)max_blocks * block_size,
-                                            rotary_max_pos);
-        if (info.valid) key_range(info, is_causal, window, lo, hi);
-      }
-    }
-    if (hi <= lo) lo = hi = 0;
-    sTok[tid] = tok;
-    sLo[tid] = lo;
-    sHi[tid] = hi;
+    int lo, hi;
+    locate_tile_row(rt, tid, g, G, cum, past, B, query_positions, (long long)max_blocks * block_size,
+                    rotary_max_pos, is_causal, window, sTok, sHead, sLo, sHi, lo, hi);
     const bool live = hi > lo;
     const int ulo = __reduce_min_sync(0xffffffffu, live ? lo : RANGE_NONE_LO);
     const int uhi = __reduce_max_sync(0xffffffffu, live ? hi : RANGE_NONE_HI);
