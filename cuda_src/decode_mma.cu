@@ -32,6 +32,7 @@
 constexpr int MMA_WARPS = 4;
 constexpr int MMA_ROWS = 16;
 constexpr int KEY_TILE = 64;
+constexpr unsigned NO_ROW = 0xffffffffu;  // a masked key's row index
 
 // Pipeline depth and CTAs per SM (mirrored in cupa/kernels/decode.py): 16-bit tiles (32 KB a
 // stage at D=128) fit 3 stages at 2 CTAs per SM; 8-bit tiles (16 KB) fit 3 stages at 4 CTAs per
@@ -50,7 +51,7 @@ struct MmaDecodeSmem {
   static constexpr int NST = MmaStages<Cache>::value;
   static constexpr int q_bytes = MMA_ROWS * D * 2;
   static constexpr int stage_bytes = 2 * KEY_TILE * D * (int)sizeof(C);        // K and V tiles as stored
-  static constexpr int rows_bytes = (NST + 1) * KEY_TILE * 8;  // row offsets, one tile ahead
+  static constexpr int rows_bytes = (NST + 1) * KEY_TILE * 4;  // row indices, one tile ahead
   static constexpr int combine_bytes = MMA_WARPS * MMA_ROWS * (D + 4) * 4;  // rows padded: fewer bank conflicts
   static constexpr int loop_bytes = q_bytes + NST * stage_bytes + rows_bytes;
   static constexpr int total = loop_bytes > combine_bytes + q_bytes ? loop_bytes : combine_bytes + q_bytes;
@@ -71,6 +72,14 @@ template <int D> CUPA_DEVICE int code_v_offset(int key, int chunk) {
   return pair * 128 + (((((key & 1) << 2) | chunk) ^ ((pair & 3) << 1)) << 4);
 }
 
+// Two 16-byte cp.async copies (a K and a V chunk) of one key row, or 16 zeros into each without
+// reading the sources when row == NO_ROW (one compare inside the asm: no int materialized).
+CUPA_DEVICE void cp_async_16x2_unless_no_row(unsigned sk, unsigned sv, const void* gk, const void* gv, unsigned row) {
+  asm volatile("{\n .reg .pred p;\n setp.eq.u32 p, %4, -1;\n cp.async.cg.shared.global [%0], [%2], 16, p;\n"
+               " cp.async.cg.shared.global [%1], [%3], 16, p;\n}\n"
+               ::"r"(sk), "r"(sv), "l"(gk), "l"(gv), "r"(row));
+}
+
 // The cp.async copies of one K/V tile of KEY_TILE rows gathered through the block table: each
 // thread always copies the same 16-byte column of rows key0, key0 + KEY_STEP, ...; every swizzle
 // used here depends only on key bits those steps leave alone, so a thread's destinations are one
@@ -83,13 +92,18 @@ struct TileCopy {
   static constexpr int KEY_STEP = THREADS / CHUNKS;
   static constexpr int ROUNDS = KEY_TILE / KEY_STEP;
   static_assert(THREADS % CHUNKS == 0 && KEY_TILE % KEY_STEP == 0, "whole copy rounds");
-  int key0, col_bytes;
+  int key0;
   unsigned dk0, dv0;  // byte offsets in a stage of round 0's K and V chunks
+  const char* kcol;   // this thread's 16-byte column of cache row 0 of key_cache
+  unsigned long long v_minus_k;  // value_cache - key_cache in bytes (uniform)
 
-  CUPA_DEVICE explicit TileCopy(int tid) {
+  CUPA_DEVICE TileCopy(int tid, const char* key_cache, const char* value_cache) {
     key0 = tid / CHUNKS;
     const int chunk = tid % CHUNKS;
-    col_bytes = chunk * 16;
+    // Opaque to the compiler, so that it keeps one 64-bit column pointer (one mad.wide per row)
+    // instead of re-splitting it into a uniform base plus 64-bit per-thread offsets.
+    asm("mov.b64 %0, %1;" : "=l"(kcol) : "l"(key_cache + chunk * 16));
+    v_minus_k = reinterpret_cast<unsigned long long>(value_cache) - reinterpret_cast<unsigned long long>(key_cache);
     if constexpr (CODES) {
       dk0 = code_k_offset<D>(key0, chunk);
       dv0 = KEY_TILE * ROW_BYTES + code_v_offset<D>(key0, chunk);
@@ -98,15 +112,15 @@ struct TileCopy {
       dv0 = KEY_TILE * ROW_BYTES + swz<D>(key0, chunk * 8) * 2;
     }
   }
-  // rows: byte offset of each key's row in the caches, < 0 for a masked key (zero-filled).
-  CUPA_DEVICE void issue(unsigned stage, const long long* rows, const char* key_cache, const char* value_cache) const {
+  // rows: index of each key's row (of D elements) in the caches, NO_ROW for a masked key
+  // (zero-filled). One mad.wide per K address, one 64-bit add per V address, one compare.
+  CUPA_DEVICE void issue(unsigned stage, const unsigned* rows) const {
 #pragma unroll
     for (int i = 0; i < ROUNDS; ++i) {
-      const long long row = rows[key0 + i * KEY_STEP];
-      const long long off = row + col_bytes;
-      const int copy = row >= 0;
-      cp_async_16_or_zero(stage + dk0 + i * KEY_STEP * ROW_BYTES, key_cache + off, copy);
-      cp_async_16_or_zero(stage + dv0 + i * KEY_STEP * ROW_BYTES, value_cache + off, copy);
+      const unsigned row = rows[key0 + i * KEY_STEP];
+      const char* k = kcol + (unsigned long long)row * ROW_BYTES;
+      cp_async_16x2_unless_no_row(stage + dk0 + i * KEY_STEP * ROW_BYTES, stage + dv0 + i * KEY_STEP * ROW_BYTES, k,
+                                  k + v_minus_k, row);
     }
   }
 };
@@ -130,9 +144,10 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   unsigned char* stages = smem + L::q_bytes;
-  // Byte offset of each key row of a tile in the caches (-1: masked), computed one pipeline step
-  // before its copies are issued, so the block-table reads never stall the copy issue.
-  long long* sRows = reinterpret_cast<long long*>(stages + NST * L::stage_bytes);
+  // Index of each key's row (of D elements) in the caches (NO_ROW: masked), computed one pipeline
+  // step before its copies are issued, so the block-table reads never stall the copy issue. The
+  // host sends caches of fewer than NO_ROW rows here (uses_mma in decode.py).
+  unsigned* sRows = reinterpret_cast<unsigned*>(stages + NST * L::stage_bytes);
 
   const int t = blockIdx.x, split = blockIdx.z;
   const int H = num_heads, Hk = kv_num_heads, G = H / Hk;
@@ -157,7 +172,6 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   hi = (int)min((long long)hi, (long long)(split + 1) * chunk);
   const int ntiles = hi > lo ? (hi - lo + KEY_TILE - 1) / KEY_TILE : 0;
 
-  const long long row_stride = (long long)Hk * D;
   const bool block_pow2 = (block_size & (block_size - 1)) == 0;
   const int block_shift = __ffs(block_size) - 1;
   // Row offsets of tile `tile` into slot tile % (NST + 1); threads 0..63 take one key each.
@@ -170,14 +184,14 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       int blk = -1;
       if (tile < ntiles && k < hi) blk = physical_block(block_table, max_blocks, num_blocks, info.b, kb);
       sRows[(tile % (NST + 1)) * KEY_TILE + tid] =
-          blk >= 0 ? (((long long)blk * block_size + ko) * row_stride + (long long)g * D) * (long long)sizeof(C) : -1;
+          blk >= 0 ? ((unsigned)blk * (unsigned)block_size + (unsigned)ko) * (unsigned)Hk + (unsigned)g : NO_ROW;
     }
   };
-  const TileCopy<C, Cache::quantized, D> copier(tid);
+  const TileCopy<C, Cache::quantized, D> copier(tid, reinterpret_cast<const char*>(key_cache),
+                                                 reinterpret_cast<const char*>(value_cache));
   const unsigned stages_addr = smem_addr(stages);
   auto load_tile = [&](int tile) {
-    copier.issue(stages_addr + (tile % NST) * L::stage_bytes, sRows + (tile % (NST + 1)) * KEY_TILE,
-                 reinterpret_cast<const char*>(key_cache), reinterpret_cast<const char*>(value_cache));
+    copier.issue(stages_addr + (tile % NST) * L::stage_bytes, sRows + (tile % (NST + 1)) * KEY_TILE);
   };
 
   // Q rows (K scale folded in per channel), zero rows past the chunk's heads.
@@ -275,7 +289,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
     }
     // Scores in log2 units (the scale times log2(e) folded into one multiply), so each
     // probability is one ex2; m0/m1 are converted back to natural units after the loop.
-    const int* valid = reinterpret_cast<const int*>(sRows + (tile % (NST + 1)) * KEY_TILE + warp * 16);
+    const unsigned* rows = sRows + (tile % (NST + 1)) * KEY_TILE + warp * 16;
     if (softcap > 0.0f) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
@@ -294,7 +308,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = j * 8 + (lane & 3) * 2 + (e & 1);
-        if (valid[2 * key + 1] < 0) s[j][e] = CUPA_NEG_INF;  // high word of a masked row's offset (-1)
+        if (rows[key] == NO_ROW) s[j][e] = CUPA_NEG_INF;
       }
       mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
       mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));

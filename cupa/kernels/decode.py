@@ -29,11 +29,17 @@ CTAS_PER_SM_TARGET = int(os.environ.get("CUPA_DECODE_CTAS_PER_SM", "2"))
 MMA8_CTAS = int(os.environ.get("CUPA_DECODE_MMA8_CTAS", "4"))
 MMA_ROWS = 16  # query heads per tensor-core CTA (the m16n8k16 tile's rows)
 MMA_HEAD_SIZES = (64, 128)
+MMA_MAX_ROWS = (1 << 32) - 1  # cache rows the tensor-core kernel can index (decode_mma.cu NO_ROW)
 
 
 def uses_mma(problem: Problem) -> bool:
-    """Tensor-core kernel: fp16/bf16 activations and head_size 64 or 128; else CUDA cores."""
-    return problem.dtype in ("float16", "bfloat16") and problem.head_size in MMA_HEAD_SIZES
+    """Tensor-core kernel: fp16/bf16 activations and head_size 64 or 128; else CUDA cores.
+
+    The tensor-core kernel names cache rows by 32-bit indices (0xffffffff: masked), so caches of
+    2**32 - 1 rows (num_blocks * block_size * kv_num_heads) or more take the CUDA-core kernel.
+    """
+    rows = problem.num_blocks * problem.block_size * problem.kv_num_heads
+    return problem.dtype in ("float16", "bfloat16") and problem.head_size in MMA_HEAD_SIZES and rows < MMA_MAX_ROWS
 
 
 def heads_per_cta(problem: Problem) -> int:
@@ -46,7 +52,7 @@ def mma_shared_bytes(problem: Problem) -> int:
     code = 1 if quant else 2
     stages = 4 if quant and MMA8_CTAS < 4 else 3
     q_bytes = MMA_ROWS * D * 2
-    loop = q_bytes + stages * 2 * 64 * D * code + (stages + 1) * 64 * 8
+    loop = q_bytes + stages * 2 * 64 * D * code + (stages + 1) * 64 * 4
     combine = 4 * MMA_ROWS * (D + 4) * 4
     return max(loop, combine + q_bytes)
 
