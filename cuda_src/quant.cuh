@@ -71,12 +71,18 @@ CUPA_DEVICE void int8x4_to_half2x2(unsigned w, unsigned& lo, unsigned& hi) {
   lo = half2_bits(__hsub2(bits_half2(__byte_perm(u, 0x64646464u, 0x4140)), bias));
   hi = half2_bits(__hsub2(bits_half2(__byte_perm(u, 0x64646464u, 0x4342)), bias));
 }
-// e4m3 pairs -> fp16 pairs (one cvt per pair on sm_89+).
+// e4m3 pairs -> fp16 pairs (one cvt per pair on sm_89+). sm_89+: both halves of the word go
+// to cvt through a 16-bit register split, which ptxas turns into a .H1 operand (no shift).
 CUPA_DEVICE void fp8x4_to_half2x2(unsigned w, unsigned& lo, unsigned& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+#else
   __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
   __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
   lo = (unsigned)a.x | ((unsigned)a.y << 16);
   hi = (unsigned)b.x | ((unsigned)b.y << 16);
+#endif
 }
 template <> struct Widen4<__half, CacheInt8> {
   static CUPA_DEVICE void run(unsigned w, unsigned& lo, unsigned& hi) { int8x4_to_half2x2(w, lo, hi); }
