@@ -25,6 +25,7 @@
 #endif
 constexpr int PROLOGUE_U = CUPA_PROLOGUE_U;
 constexpr int PROLOGUE_MAX_TPC = 4;
+static_assert(PROLOGUE_MAX_TPC <= 128 / 32, "warp k copies token k: no more tokens per CTA than warps");
 
 template <typename T, typename Cache>
 __global__ void __launch_bounds__(128) paged_prologue(
