@@ -21,10 +21,11 @@
 // forces the multi-pass path); at most PROLOGUE_MAX_TPC tokens per CTA, no more than its warps
 // (warp k copies token k's plain rows; cupa/kernels/prologue.py keeps to it).
 #ifndef CUPA_PROLOGUE_U
-#define CUPA_PROLOGUE_U 4
+#define CUPA_PROLOGUE_U 8
 #endif
 constexpr int PROLOGUE_U = CUPA_PROLOGUE_U;
 constexpr int PROLOGUE_MAX_TPC = 4;
+static_assert(PROLOGUE_MAX_TPC <= 128 / 32, "warp k copies token k: no more tokens per CTA than warps");
 
 template <typename T, typename Cache>
 __global__ void __launch_bounds__(128) paged_prologue(

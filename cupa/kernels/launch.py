@@ -392,7 +392,10 @@ def _is_torch_tensor_type(t) -> bool:
 
 def _torch_inputs(tensor_type, inputs: dict):
     """``(device_id, ptrs)`` when every present input is a contiguous CUDA ``torch.Tensor`` (exactly that
-    type) on one device, else None (the general path, which raises the errors)."""
+    type) on one device, else None (the general path, which raises the errors).
+
+    The loop of :func:`_cupy_inputs` with torch's attribute names, written out rather than shared
+    through per-tensor callbacks: it runs on every call, for every input."""
     ptrs = []
     append = ptrs.append
     device = -1

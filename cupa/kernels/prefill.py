@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 
-from .. import graphs, jit
+from .. import jit
 from ..contract import Problem
 from ..errors import fail
 from . import launch, registry, types
-from .prologue import launch_prologue, q_passthrough
-from .types import f32, i32, ptr
+from .launch import POINTER
+from .prologue import POINTER_INPUTS, prologue_launcher, q_passthrough
+from .types import f32, i32
 
 PREFILL_DTYPES = ("float16", "bfloat16")
 PREFILL_HEAD_SIZES = (64, 128, 256)
@@ -109,16 +110,17 @@ class PrefillBackend:
         if call.output_ptr % 16:
             raise fail("out", f"a device pointer at {call.output_ptr:#x}",
                        "16-byte alignment (the prefill kernel stores whole 16-byte chunks)")
-        cp = call.cupy
+        recipes = p.__dict__.get(self._memo_name)
+        if recipes is None:
+            recipes = launch.problem_memo(p, self._memo_name)
+        r = recipes.get(call.device_id)
         with call:
-            if q_passthrough(p):  # the prologue only writes K/V; the kernel reads `query` itself
-                launch_prologue(p, call.dev, 0)
-                self._attend(p, call, call.dev["query"])
-            else:
-                q_ws = cp.empty((p.token_count, p.num_heads, p.head_size), dtype=call.dev["query"].dtype)
-                graphs.keep_alive(q_ws)  # workspaces live as long as a graph that captured them
-                launch_prologue(p, call.dev, q_ws)
-                self._attend(p, call, q_ws)
+            if r is None:
+                r = recipes[call.device_id] = self._recipe(p, call)
+            # The Q workspace (none when the kernel reads `query` itself), held by `ws` until the launches
+            # are enqueued, and by a capture for the graph's life.
+            ws = launch.workspace(r.q_bytes) if r.q_bytes else None
+            r.launches(call.ptrs + [ws.ptr if ws is not None else 0, call.output_ptr, 0], call.stream.ptr)
         return call.finish()
 
     # The kernel, launch plan and shared memory of a call: the wgmma backend swaps these three.
@@ -131,23 +133,52 @@ class PrefillBackend:
     def _shared_bytes(self, p: Problem) -> int:
         return shared_bytes(p)
 
-    def _attend(self, p: Problem, call, q_ws) -> None:
-        dev, a = call.dev, p.attrs
+    @property
+    def _memo_name(self) -> str:
+        return f"_cupa_{self.name}_recipes"
+
+    def _recipe(self, p: Problem, call) -> "_Recipe":
+        """The prologue and attention launches of ``p`` on the call's device (built once per problem
+        object and device, with the device current): the attention kernel waits for the prologue in
+        every CTA (grid_dependency_wait at its top), so it is a programmatic step."""
+        a = p.attrs
         plan = self._plan(p)
         kernel = jit.get_kernel(self._spec(p))
         shared = self._shared_bytes(p)
         launch.ensure_shared_memory(kernel, shared)
-        kernel(
-            (plan["grid"],), (plan["threads"],),
-            (q_ws, dev["key_cache"], dev["value_cache"], dev["cumulative_sequence_length"], dev["past_seqlens"],
-             dev["block_table"], ptr(dev["query_positions"]), ptr(dev["head_sink"]), ptr(dev["k_scale"]),
-             ptr(dev["v_scale"]), call.output,
-             i32(p.token_count), i32(p.num_heads), i32(p.kv_num_heads), i32(p.batch_size), i32(p.num_blocks),
-             i32(p.block_size), i32(p.max_blocks_per_seq), i32(plan["zero_ctas"]), i32(plan["num_tiles"]),
-             i32(p.rotary_max_pos if p.rotary_dim else 0), f32(p.scale), f32(a.softcap), i32(a.local_window_size),
-             i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant])),
-            shared_mem=shared,
-        )
+        args = (POINTER,) * len(_ATTEND_POINTERS) + (
+            i32(p.token_count), i32(p.num_heads), i32(p.kv_num_heads), i32(p.batch_size), i32(p.num_blocks),
+            i32(p.block_size), i32(p.max_blocks_per_seq), i32(plan["zero_ctas"]), i32(plan["num_tiles"]),
+            i32(p.rotary_max_pos if p.rotary_dim else 0), f32(p.scale), f32(a.softcap), i32(a.local_window_size),
+            i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant]))
+        attend = launch.Launcher(kernel, (plan["grid"],), (plan["threads"],), args, shared_mem=shared)
+        passthrough = q_passthrough(p)  # the prologue only writes K/V; the kernel reads `query` itself
+        r = _Recipe()
+        r.q_bytes = 0 if passthrough else launch.align(
+            p.token_count * p.num_heads * p.head_size * call.dev["query"].dtype.itemsize)
+        pointers = ((_I["query"],) + _ATTEND_POINTERS[1:]) if passthrough else _ATTEND_POINTERS
+        r.launches = launch.Sequence([(prologue_launcher(p), _PROLOGUE_POINTERS), (attend, pointers, True)],
+                                     _NPOINTERS)
+        return r
 
+
+class _Recipe:
+    """The launches of one problem on one device (prologue, then attention) and the size of the Q
+    workspace (0: the attention kernel reads ``query``)."""
+
+    __slots__ = ("launches", "q_bytes")
+
+
+# Pointer arguments, as positions in Call.ptrs extended by [Q workspace, output, a null pointer].
+_Q_WS, _OUT, _NULL = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 3)
+_NPOINTERS = len(launch.PTR_INDEX) + 3
+_I = launch.PTR_INDEX
+# The prologue: its inputs, the Q workspace, and no split counters (null).
+_PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS, _NULL)
+# paged_prefill / paged_prefill_wgmma: q, key_cache, value_cache, cum, past, block_table, query_positions,
+# head_sink, k_scale, v_scale, out
+_ATTEND_POINTERS = (_Q_WS, _I["key_cache"], _I["value_cache"], _I["cumulative_sequence_length"],
+                    _I["past_seqlens"], _I["block_table"], _I["query_positions"], _I["head_sink"], _I["k_scale"],
+                    _I["v_scale"], _OUT)
 
 BACKEND = PrefillBackend()

@@ -68,20 +68,3 @@ def prologue_grid(problem: Problem, sm_count: int) -> tuple:
         tpc = max(1, min(MAX_TOKENS_PER_CTA, p.token_count // (_TOKENS_CTAS_PER_SM * sm_count)))
     return groups, tpc
 
-
-def launch_prologue(problem: Problem, dev: dict, q_workspace) -> None:
-    """Split/normalize/rotate the new tokens, write Q to ``q_workspace`` (N, H, D) and K/V to the caches.
-
-    Runs on CuPy's current stream; ``dev`` maps input names to CuPy arrays or None; ``q_workspace`` is
-    a CuPy array or a device pointer (int). The launcher is built once per (problem, device).
-    """
-    cp = launch._cp()
-    device = cp.cuda.runtime.getDevice()
-    memo = launch.problem_memo(problem, "_cupa_prologue")
-    launcher = memo.get(device)
-    if launcher is None:
-        launcher = memo[device] = prologue_launcher(problem)
-    ptrs = [0 if dev.get(n) is None else dev[n].data.ptr for n in POINTER_INPUTS]
-    ptrs.append(q_workspace if isinstance(q_workspace, int) else q_workspace.data.ptr)
-    ptrs.append(0)  # no split counters
-    launcher(ptrs, cp.cuda.get_current_stream().ptr)
