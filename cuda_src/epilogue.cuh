@@ -9,23 +9,34 @@
 #include "softmax.cuh"
 
 // Row r of warp w: m at m_at[w * row_stride + r], l likewise, o at o_at[(w * row_stride + r) * o_stride + d].
-// Rows are query heads h0 .. h0 + rows - 1 of token t (KV head g). Called by every thread of the CTA.
+// Rows are query heads h0 .. h0 + rows - 1 of token t (KV head g). Called by every thread of the CTA
+// (num_warps >= 2). First one thread per row merges the row's max and sum and turns each warp's m
+// into its weight exp(m - M) in place (l_at's first two warp rows then hold the row's L and M), then
+// every thread sums its channels' weighted o: each weight computed once per row, not per channel.
 template <typename T>
-CUPA_DEVICE void store_rows(const float* m_at, const float* l_at, const float* o_at, int num_warps, int row_stride,
+CUPA_DEVICE void store_rows(float* m_at, float* l_at, const float* o_at, int num_warps, int row_stride,
                             int o_stride, int rows, int head_size, int t, int h0, int num_heads, int g, int split,
                             int num_splits, bool direct, const T* head_sink, const float* v_scale, int v_quant, T* out,
                             float* part_o, float2* part_ml) {
   const int D = head_size;
-  for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
-    const int r = e / D, d = e % D;
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
     float M = CUPA_NEG_INF;
     for (int w = 0; w < num_warps; ++w) M = fmaxf(M, m_at[w * row_stride + r]);
-    float L = 0.0f, O = 0.0f;
+    float L = 0.0f;
     for (int w = 0; w < num_warps; ++w) {
       const float c = rescale(m_at[w * row_stride + r], M);
       L = L * 1.0f + l_at[w * row_stride + r] * c;
-      O = O + o_at[(w * row_stride + r) * o_stride + d] * c;
+      m_at[w * row_stride + r] = c;
     }
+    l_at[r] = L;
+    l_at[row_stride + r] = M;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
+    const int r = e / D, d = e % D;
+    float O = 0.0f;
+    for (int w = 0; w < num_warps; ++w) O = O + o_at[(w * row_stride + r) * o_stride + d] * m_at[w * row_stride + r];
+    const float L = l_at[r], M = l_at[row_stride + r];
     const int h = h0 + r;
     if (direct) {
       const float sink = head_sink ? Act<T>::to_float(head_sink[h]) : 0.0f;
@@ -48,7 +59,9 @@ CUPA_DEVICE void store_rows(const float* m_at, const float* l_at, const float* o
 // from a possibly stale L1 line. One warp per row: lanes take splits for the max and the sum (a
 // fixed xor tree), then channels, summing the splits in index order with independent loads.
 // Called by every thread of the CTA, after store_rows; `last` is one int of free shared memory.
-template <typename T>
+// MAX_CH: channels per lane (head_size <= 32 * MAX_CH); PRE: splits whose o is loaded together with
+// the weights (one round trip fewer for up to PRE splits; 0: none, for kernels short of registers).
+template <typename T, int MAX_CH = 8, int PRE = 0>
 CUPA_DEVICE void merge_splits_if_last(int* counter, int* last, int s_first, int s_last, int rows, int head_size, int t,
                                       int h0, int num_heads, int g, int num_splits, const T* head_sink,
                                       const float* v_scale, int v_quant, T* out, const float* part_o,
@@ -59,7 +72,6 @@ CUPA_DEVICE void merge_splits_if_last(int* counter, int* last, int s_first, int 
   __syncthreads();
   if (!*last) return;
   __threadfence();
-  constexpr int MAX_CH = 8;  // channels per lane: head_size <= 256
   const int D = head_size, n = s_last - s_first + 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
   for (int r = warp; r < rows; r += num_warps) {
@@ -75,6 +87,13 @@ CUPA_DEVICE void merge_splits_if_last(int* counter, int* last, int s_first, int 
     float L = 0.0f, O[MAX_CH];
 #pragma unroll
     for (int k = 0; k < MAX_CH; ++k) O[k] = 0.0f;
+    // The first PRE splits' o, loaded before their weights are known (one round trip fewer).
+    float pre[PRE > 0 ? PRE : 1][MAX_CH];
+#pragma unroll
+    for (int j = 0; j < PRE; ++j)
+#pragma unroll
+      for (int k = 0; k < MAX_CH; ++k)
+        pre[j][k] = j < n && lane + 32 * k < D ? __ldcg(part_o + (row0 + j) * D + lane + 32 * k) : 0.0f;
     for (int base = 0; base < n; base += 32) {
       float c = 0.0f;
       if (base + lane < n) {
@@ -85,8 +104,19 @@ CUPA_DEVICE void merge_splits_if_last(int* counter, int* last, int s_first, int 
         }
       }
       const int count = min(32, n - base);
+      int j = 0;
+      if (PRE > 0 && base == 0) {
+#pragma unroll
+        for (; j < PRE; ++j) {
+          const float cj = __shfl_sync(0xffffffffu, c, j);
+          if (j >= count || cj == 0.0f) continue;  // an empty split (or one far below the max) adds nothing
+#pragma unroll
+          for (int k = 0; k < MAX_CH; ++k)
+            if (lane + 32 * k < D) O[k] += cj * pre[j][k];
+        }
+      }
 #pragma unroll 4
-      for (int j = 0; j < count; ++j) {
+      for (; j < count; ++j) {
         const float cj = __shfl_sync(0xffffffffu, c, j);
         if (cj == 0.0f) continue;  // an empty split (or one far below the max) adds nothing
         const float* po = part_o + (row0 + base + j) * D;
