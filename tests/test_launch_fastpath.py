@@ -413,11 +413,12 @@ def test_fast_route_passes_the_bytes_rawkernel_passes(case, out, via, real_array
     assert seen["fast"] == seen["rawkernel"]
 
 
-@pytest.mark.parametrize("case", ["decode_b8_long_split", "decode_gqa_fp16", "decode_fp32_cuda_cores"])
+@pytest.mark.parametrize("case", ["decode_b8_long_split", "decode_gqa_fp16", "decode_fp32_cuda_cores",
+                                  "prefill_shaped_packed"])
 def test_programmatic_launch_of_the_decode_kernel(monkeypatch, case):
-    """With programmatic dependent launch on, the decode kernel goes through cuLaunchKernelEx with the
-    PROGRAMMATIC_STREAM_SERIALIZATION attribute and the very bytes of the plain launch; the prologue
-    keeps the plain launch."""
+    """With programmatic dependent launch on, the attention kernel (decode, or prefill for a
+    prefill-shaped call) goes through cuLaunchKernelEx with the PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute and the very bytes of the plain launch; the prologue keeps the plain launch."""
     from cupa.kernels import launch
 
     seen, ex_calls = {}, []
@@ -443,9 +444,10 @@ def test_programmatic_launch_of_the_decode_kernel(monkeypatch, case):
         seen[pdl] = [launch_[1:] for launch_ in fake.launches]
     assert seen[True] == seen[False]
     decode = [name for name, _ in ex_calls]
-    assert decode and set(decode) <= {"paged_decode", "paged_decode_mma"}, decode
+    attention = ("paged_decode", "paged_decode_mma", "paged_prefill")
+    assert decode and set(decode) <= set(attention), decode
     assert all(attrs == [(launch._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)] for _, attrs in ex_calls)
-    assert len(ex_calls) == sum(1 for launch_ in seen[True] if launch_[0] in ("paged_decode", "paged_decode_mma"))
+    assert len(ex_calls) == sum(1 for launch_ in seen[True] if launch_[0] in attention)
 
 
 def test_no_programmatic_launch_for_a_kernel_compiled_below_sm_90(monkeypatch):
