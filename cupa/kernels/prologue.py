@@ -29,7 +29,8 @@ def q_passthrough(problem: Problem) -> bool:
 _ROW_GROUP_CTAS_PER_SM = 16
 #: mirrors PROLOGUE_MAX_TPC in cuda_src/prologue.cu (at most one token per warp)
 MAX_TOKENS_PER_CTA = 4
-# About one wave of prologue CTAs (10 fit an SM by registers) before tokens are grouped.
+# Tokens are grouped into CTAs once they alone give this many CTAs per SM (a threshold tuned on the
+# device; at 96 registers, 5 prologue CTAs fit an SM at a time).
 _TOKENS_CTAS_PER_SM = 10
 
 
