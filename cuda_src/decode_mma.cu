@@ -428,6 +428,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   store_rows<T>(cm, cl, co, MMA_WARPS, MMA_ROWS, D + 4, nh, D, t, h0, H, g, split, num_splits, direct, head_sink,
                 v_scale, v_quant, out, part_o, part_ml);
   if (!direct)
-    merge_splits_if_last<T, D / 32, 4>(counters + (long long)t * gridDim.y + blockIdx.y, reinterpret_cast<int*>(sRows), s_first,
-                            s_last, nh, D, t, h0, H, g, num_splits, head_sink, v_scale, v_quant, out, part_o, part_ml);
+    merge_splits_if_last<T, D / 32, 4>(counters + (long long)t * gridDim.y + blockIdx.y, reinterpret_cast<int*>(sRows),
+                                       s_first, s_last, nh, D, t, h0, H, g, num_splits, head_sink, v_scale, v_quant, out,
+                                       part_o, part_ml);
 }
