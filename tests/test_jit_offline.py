@@ -248,3 +248,23 @@ def test_every_registered_specialization_compiles_for_sm_90():
                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
     assert "summary:" in proc.stdout and " 0 failed" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_decode_trace_instrumentation_applies_and_compiles(tmp_path):
+    """benchmarks/trace_decode.py probes decode_mma.cu at fixed anchors: they are all there once, and
+    the instrumented kernel compiles (so a kernel edit that moves an anchor fails here, not on the GPU)."""
+    import sys
+
+    nvrtc_or_skip()
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import trace_decode
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from cupa.kernels import registry
+
+    src = trace_decode.instrumented_sources(str(tmp_path))
+    text = (Path(src) / "decode_mma.cu").read_text()
+    assert text.count("cupa_trace_event(") == 1 + len(trace_decode.EVENTS)   # the helper + one probe per event
+    result = jit.compile_offline(registry.decode_mma_spec("float16", "T", 128), "sm_90", source_dir=src)
+    assert result.ok, result.log

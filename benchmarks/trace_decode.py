@@ -1,0 +1,176 @@
+"""Per-CTA timeline of the tensor-core decode kernel: where a decode call's time goes.
+
+A copy of ``cuda_src`` whose ``decode_mma.cu`` is instrumented -- thread 0 of every CTA writes
+``%globaltimer`` at entry, after ``griddepcontrol.wait``, when its first tile is ready, at the end
+of its key loop, after its rows are stored and at exit, and its SM id -- replaces the library's
+sources for this process only (``jit.SOURCE_DIR``; the package is untouched). One call of a
+bench_decode shape is timed (CUDA events, L2 flushed, median of ``--reps``), then one more call is
+traced and summarized: quantiles (0, 10, 50, 90, 100%) across CTAs of each event in us after the
+first CTA's entry, of each CTA's key-loop time and of its merge time (stored -> exit), CTAs per SM,
+and when each SM's last CTA ended.
+
+    python benchmarks/trace_decode.py --B 8 --L 8192 [--cache int8] [--decode-only] [--out trace.json]
+
+``--decode-only`` drops the prologue launch (the decode kernel alone; its results are then not the
+attention of the call). The instrumented kernel is a little slower than the library's (two global
+stores per CTA and event): compare its timings with each other, and the call times with bench_decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cupa  # noqa: E402
+from cupa import jit  # noqa: E402
+from cupa.kernels import decode, launch  # noqa: E402
+
+MAX_CTAS = 1 << 16
+EVENTS = ("entry", "waited", "first_tile", "loop_end", "stored", "exit")
+
+_HELPERS = r'''
+__device__ unsigned long long cupa_trace[%d * 8];
+__device__ __forceinline__ void cupa_trace_event(int i) {
+  if (threadIdx.x != 0) return;
+  const unsigned long long c = blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (c >= %d) return;
+  unsigned long long now;
+  asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(now));
+  cupa_trace[c * 8 + i] = now;
+  if (i == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %%0, %%%%smid;" : "=r"(sm));
+    cupa_trace[c * 8 + 7] = sm;
+  }
+}
+''' % (MAX_CTAS, MAX_CTAS)
+
+# (anchor in decode_mma.cu, text inserted after it)
+_PROBES = (
+    ("constexpr int KEY_TILE = 64;\n", _HELPERS),
+    ("  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;\n", "  cupa_trace_event(0);\n"),
+    ("  grid_dependency_wait();\n  if (!q_is_input) load_q();\n", "  cupa_trace_event(1);\n"),
+    ("    const int stage = tile % NST;\n", "    if (tile == 0) cupa_trace_event(2);\n"),
+    ("  cp_async_wait<0>();\n  __syncthreads();\n", "  cupa_trace_event(3);\n"),
+)
+_BEFORE_END = ("  if (!direct)\n    merge_splits_if_last", "  cupa_trace_event(4);\n")
+
+
+def instrumented_sources(dst: str) -> str:
+    """Copy cuda_src into ``dst`` with the probes in decode_mma.cu; returns the copy's directory."""
+    src_dir = os.path.join(dst, "cuda_src")
+    shutil.copytree(jit.SOURCE_DIR, src_dir)
+    path = os.path.join(src_dir, "decode_mma.cu")
+    text = open(path).read()
+    for anchor, insert in _PROBES:
+        if text.count(anchor) != 1:
+            raise RuntimeError(f"trace_decode: anchor {anchor!r} not found once in decode_mma.cu")
+        text = text.replace(anchor, anchor + insert)
+    anchor, insert = _BEFORE_END
+    if text.count(anchor) != 1:
+        raise RuntimeError(f"trace_decode: anchor {anchor!r} not found once in decode_mma.cu")
+    text = text.replace(anchor, insert + anchor)
+    if not text.rstrip().endswith("}"):
+        raise RuntimeError("trace_decode: decode_mma.cu does not end with the kernel's closing brace")
+    text = text.rstrip()[:-1] + "  cupa_trace_event(5);\n}\n"
+    open(path, "w").write(text)
+    return src_dir
+
+
+def quantiles(values) -> list:
+    return [round(float(np.quantile(values, q)), 2) for q in (0, 0.1, 0.5, 0.9, 1.0)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--L", type=int, default=8192)
+    ap.add_argument("--H", type=int, default=32)
+    ap.add_argument("--Hk", type=int, default=8)
+    ap.add_argument("--cache", default="float16", choices=("float16", "int8", "fp8"))
+    ap.add_argument("--decode-only", action="store_true", help="launch the decode kernel without the prologue")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    import cupy as cp
+
+    from bench_decode import make_case
+    from common import Timer
+
+    tmp = tempfile.mkdtemp(prefix="cupa_trace_")
+    jit.SOURCE_DIR = Path(instrumented_sources(tmp))
+    modules = []
+    raw_module = cp.RawModule
+
+    def recording_module(*a, **k):
+        m = raw_module(*a, **k)
+        modules.append(((k.get("name_expressions") or [""])[0], m))
+        return m
+
+    cp.RawModule = recording_module
+    if args.decode_only:
+        sequence = launch.Sequence
+        decode.launch.Sequence = lambda steps, n: sequence(steps[1:], n)
+    try:
+        timer = Timer(cp)
+        case = make_case(cp, args.B, args.L, args.H, args.Hk, 128, 16, args.cache)
+        extra = dict(case["extra"])
+        scales = {k: extra.pop(k) for k in ("k_scale", "v_scale") if k in extra}
+        op = cupa.PagedAttention(num_heads=args.H, kv_num_heads=args.Hk, **extra)
+        md = np.array([1, args.L], dtype=np.int32)
+        out = cp.empty_like(case["q"])
+
+        def call():
+            op(case["q"], case["k"], case["v"], case["kc"], case["vc"], case["cum"], case["past"], case["bt"],
+               attention_metadata=md, out=out, **scales)
+
+        timed = timer.time_us(call, reps=args.reps)
+        kernel_modules = [m for name, m in modules if name.startswith("paged_decode_mma")]
+        if not kernel_modules:
+            raise RuntimeError("trace_decode: the call did not run paged_decode_mma (fp16/bf16, head_size 64/128)")
+        trace = cp.ndarray((MAX_CTAS * 8,), cp.uint64, kernel_modules[-1].get_global("cupa_trace"))
+        trace.fill(0)
+        timer.flush()
+        call()
+        cp.cuda.get_current_stream().synchronize()
+    finally:
+        cp.RawModule = raw_module
+        shutil.rmtree(tmp, ignore_errors=True)
+    t = cp.asnumpy(trace).reshape(-1, 8).astype(np.int64)
+    t = t[t[:, 0] > 0]
+    base = t[:, 0].min()
+    res = {"B": args.B, "L": args.L, "H": args.H, "Hk": args.Hk, "cache": args.cache,
+           "decode_only": args.decode_only, "call_us": round(timed["median_us"], 2), "ctas": int(len(t))}
+    for i, name in enumerate(EVENTS):
+        hit = t[:, i] > 0
+        if hit.any():
+            res[name + "_us"] = quantiles((t[hit, i] - base) / 1000.0)
+    looped = (t[:, 2] > 0) & (t[:, 3] > 0)
+    res["loop_us"] = quantiles((t[looped, 3] - t[looped, 2]) / 1000.0)
+    merged = (t[:, 4] > 0) & (t[:, 5] > 0)
+    res["merge_us"] = quantiles((t[merged, 5] - t[merged, 4]) / 1000.0)
+    sm = t[:, 7]
+    per_sm = np.bincount(sm)
+    res["sms_with_n_ctas"] = np.bincount(per_sm).tolist()
+    ended = t[:, 5] > 0  # (CTAs of splits without admitted keys return before the last probe)
+    finish = np.full(len(per_sm), -1.0)
+    np.maximum.at(finish, sm[ended], (t[ended, 5] - base) / 1000.0)
+    res["sm_finish_us"] = quantiles(finish[finish >= 0])
+    print(json.dumps(res))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
