@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -55,13 +56,14 @@ __device__ __forceinline__ void cupa_trace_event(int i) {
 }
 ''' % (MAX_CTAS, MAX_CTAS)
 
-# (anchor in decode_mma.cu, text inserted after it)
+# (pattern in decode_mma.cu, text inserted after each match with the match's indentation, matches
+# expected: 1, or 0 for "at least one" -- the key loop exists once per loop variant)
 _PROBES = (
-    ("constexpr int KEY_TILE = 64;\n", _HELPERS),
-    ("  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;\n", "  cupa_trace_event(0);\n"),
-    ("  grid_dependency_wait();\n  if (!q_is_input) load_q();\n", "  cupa_trace_event(1);\n"),
-    ("    const int stage = tile % NST;\n", "    if (tile == 0) cupa_trace_event(2);\n"),
-    ("  cp_async_wait<0>();\n  __syncthreads();\n", "  cupa_trace_event(3);\n"),
+    (r"^constexpr int KEY_TILE = 64;\n", _HELPERS, 1),
+    (r"^( *)const int tid = threadIdx\.x, warp = tid >> 5, lane = tid & 31;\n", "cupa_trace_event(0);\n", 1),
+    (r"^( *)grid_dependency_wait\(\);\n *if \(!q_is_input\) load_q\(\);\n", "cupa_trace_event(1);\n", 1),
+    (r"^( *)const int stage = tile % NST;\n", "if (tile == 0) cupa_trace_event(2);\n", 0),
+    (r"^( *)cp_async_wait<0>\(\);\n *__syncthreads\(\);\n", "cupa_trace_event(3);\n", 0),
 )
 _BEFORE_END = ("  if (!direct)\n    merge_splits_if_last", "  cupa_trace_event(4);\n")
 
@@ -72,10 +74,12 @@ def instrumented_sources(dst: str) -> str:
     shutil.copytree(jit.SOURCE_DIR, src_dir)
     path = os.path.join(src_dir, "decode_mma.cu")
     text = open(path).read()
-    for anchor, insert in _PROBES:
-        if text.count(anchor) != 1:
-            raise RuntimeError(f"trace_decode: anchor {anchor!r} not found once in decode_mma.cu")
-        text = text.replace(anchor, anchor + insert)
+    for pattern, insert, expected in _PROBES:
+        found = len(re.findall(pattern, text, flags=re.MULTILINE))
+        if found == 0 or (expected and found != expected):
+            raise RuntimeError(f"trace_decode: {pattern!r} found {found} times in decode_mma.cu")
+        text = re.sub(pattern, lambda m: m.group(0) + (m.group(1) if m.groups() else "") + insert, text,
+                      flags=re.MULTILINE)
     anchor, insert = _BEFORE_END
     if text.count(anchor) != 1:
         raise RuntimeError(f"trace_decode: anchor {anchor!r} not found once in decode_mma.cu")

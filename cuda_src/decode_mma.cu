@@ -45,6 +45,25 @@ template <typename Cache> struct MmaStages {
 };
 template <typename Cache> struct MmaMinCtas { static constexpr int value = Cache::quantized ? CUPA_MMA8_CTAS : 1; };
 
+// Experimental (-DCUPA_MMA8_T=1, decode.py: CUPA_DECODE_MMA8_T=1): 8-bit caches with keys as the
+// MMA's M dimension. S^T = K Q^T (A: the warp's 16 keys widened from codes, B: Q^T, N: 8 query heads
+// per n-tile, CUPA_MMA8_NT n-tiles per CTA) and O^T += V^T P^T (A: 16 channels x 16 keys widened from
+// codes, B: P^T, moved from the S^T accumulators by movmatrix.trans). With a GQA group of 8 or fewer
+// heads, half the MMAs and accumulators of the head-major loop (whose M is 16 query heads).
+#ifndef CUPA_MMA8_T
+#define CUPA_MMA8_T 0
+#endif
+#ifndef CUPA_MMA8_NT
+#define CUPA_MMA8_NT 1
+#endif
+
+// The 8x8 b16 matrix held one row-pair per lane (mma fragment layout), transposed.
+CUPA_DEVICE unsigned movmatrix_trans(unsigned x) {
+  unsigned y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 template <typename T, typename Cache, int D>
 struct MmaDecodeSmem {
   using C = typename Cache::storage;
@@ -151,10 +170,14 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
 
   const int t = blockIdx.x, split = blockIdx.z;
   const int H = num_heads, Hk = kv_num_heads, G = H / Hk;
-  const int row_chunks = (G + MMA_ROWS - 1) / MMA_ROWS;
+  constexpr bool T8 = Cache::quantized && CUPA_MMA8_T;  // the keys-as-M loop (see CUPA_MMA8_T)
+  constexpr int NT = CUPA_MMA8_NT;
+  constexpr int HEADS = T8 ? 8 * NT : MMA_ROWS;           // query heads per CTA
+  static_assert(HEADS <= MMA_ROWS, "at most 16 query heads per CTA");
+  const int row_chunks = (G + HEADS - 1) / HEADS;
   const int g = blockIdx.y / row_chunks;
-  const int h0 = g * G + (blockIdx.y % row_chunks) * MMA_ROWS;
-  const int nh = min(MMA_ROWS, g * G + G - h0);
+  const int h0 = g * G + (blockIdx.y % row_chunks) * HEADS;
+  const int nh = min(HEADS, g * G + G - h0);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   const TokenInfo info = locate_token_warp(t, cum, past, batch_size, query_positions,
@@ -244,117 +267,105 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   }
   const float score_scale = scale * (k_quant == QUANT_PER_TENSOR ? k_scale[0] : 1.0f);
   const float score_scale2 = score_scale * CUPA_LOG2E;
-  float o[D / 8][4];
+  float* cm = reinterpret_cast<float*>(stages);                 // [warp][row]
+  float* cl = cm + MMA_WARPS * MMA_ROWS;                         // [warp][row]
+  float* co = cl + MMA_WARPS * MMA_ROWS;                         // [warp][row][D]
+  if constexpr (T8) {
+    // Keys as M. Lane (r, c) = (lane / 4, lane % 4) holds scores of keys r and r + 8 of its warp's 16
+    // and query heads 2c, 2c + 1 of each n-tile; output channels r * D/8 + 4x + {0, 1} (m-tile 2x)
+    // and + {2, 3} (m-tile 2x + 1), rows r and r + 8 of the m-tile.
+    constexpr int MT = D / 16, WORDS = D / 32;
+    const int r = lane >> 2, c = lane & 3;
+    float ot[NT][MT][4];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m0 = CUPA_NEG_INF, m1 = CUPA_NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) ot[nt][mt][0] = ot[nt][mt][1] = ot[nt][mt][2] = ot[nt][mt][3] = 0.0f;
+    float mh[NT][2], lh[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mh[nt][0] = mh[nt][1] = CUPA_NEG_INF, lh[nt][0] = lh[nt][1] = 0.0f;
 
-  for (int tile = 0; tile < ntiles; ++tile) {
-    cp_async_wait<NST - 2>();
-    __syncthreads();
-    const int stage = tile % NST;
-    if (tile + NST - 1 < ntiles) load_tile(tile + NST - 1);
-    cp_async_commit();
-    if (tile + NST < ntiles) find_rows(tile + NST);  // read after the next barrier
+    for (int tile = 0; tile < ntiles; ++tile) {
+      cp_async_wait<NST - 2>();
+      __syncthreads();
+      const int stage = tile % NST;
+      if (tile + NST - 1 < ntiles) load_tile(tile + NST - 1);
+      cp_async_commit();
+      if (tile + NST < ntiles) find_rows(tile + NST);  // read after the next barrier
+      const unsigned char* st = stages + stage * L::stage_bytes;
 
-    // S = Q K^T for this warp's 16 keys.
-    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-    const unsigned char* st = stages + stage * L::stage_bytes;
-    if constexpr (Cache::quantized) {
+      // S^T = K Q^T: one 16-byte load per key and 64-dim group gives 4 k-steps (the permuted dims
+      // of the header); A rows r and r + 8 are keys r and r + 8.
+      float sc[NT][4];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int key = warp * 16 + j * 8 + (lane >> 2);
+      for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+      const int k0 = warp * 16 + r;
 #pragma unroll
-        for (int h = 0; h < D / 64; ++h) {
-          const uint4 w = *reinterpret_cast<const uint4*>(st + code_k_offset<D>(key, h * 4 + (lane & 3)));
-          const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+      for (int h = 0; h < D / 64; ++h) {
+        const uint4 w0 = *reinterpret_cast<const uint4*>(st + code_k_offset<D>(k0, h * 4 + c));
+        const uint4 w1 = *reinterpret_cast<const uint4*>(st + code_k_offset<D>(k0 + 8, h * 4 + c));
+        const unsigned ws0[4] = {w0.x, w0.y, w0.z, w0.w}, ws1[4] = {w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-          for (int q4 = 0; q4 < 4; ++q4) {
-            unsigned b0, b1;
-            Widen4<T, Cache>::run(ws[q4], b0, b1);
-            Mma<T>::run(s[j], qf[h * 4 + q4], b0, b1);
-          }
+        for (int q4 = 0; q4 < 4; ++q4) {
+          unsigned a[4];
+          Widen4<T, Cache>::run(ws0[q4], a[0], a[2]);
+          Widen4<T, Cache>::run(ws1[q4], a[1], a[3]);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            Mma<T>::run(sc[nt], a, qf[h * 4 + q4][nt == 0 ? 0 : 1], qf[h * 4 + q4][nt == 0 ? 2 : 3]);
         }
       }
-    } else {
-      const T* sK = reinterpret_cast<const T*>(st);
+      const unsigned* rows = sRows + (tile % (NST + 1)) * KEY_TILE + warp * 16;
+      const bool dead0 = rows[r] == NO_ROW, dead1 = rows[r + 8] == NO_ROW;
+      unsigned pb[NT][2];  // P^T as B fragments (keys 2c, 2c+1 | 2c+8, 2c+9 of head r)
+      bool moved = false;
+      float ch[NT][2];
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        unsigned b[4];
-        const int mi = lane >> 3;
-        ldmatrix_x4(b, sK + swz<D>(warp * 16 + (mi >> 1) * 8 + (lane & 7), kk * 16 + (mi & 1) * 8));
-        Mma<T>::run(s[0], qf[kk], b[0], b[1]);
-        Mma<T>::run(s[1], qf[kk], b[2], b[3]);
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sc[nt][e] = softcap > 0.0f ? softcap_score(sc[nt][e] * score_scale, softcap) * CUPA_LOG2E
+                                     : sc[nt][e] * score_scale2;
+          if (e < 2 ? dead0 : dead1) sc[nt][e] = CUPA_NEG_INF;
+        }
+        float p[4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float mx = fmaxf(sc[nt][j], sc[nt][j + 2]);
+#pragma unroll
+          for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+          const float n = fmaxf(mh[nt][j], mx);
+          ch[nt][j] = mh[nt][j] == CUPA_NEG_INF ? 0.0f : ex2_approx(mh[nt][j] - n);
+          mh[nt][j] = n;
+          const float b = n == CUPA_NEG_INF ? 0.0f : n;
+          p[j] = ex2_approx(sc[nt][j] - b);
+          p[j + 2] = ex2_approx(sc[nt][j + 2] - b);
+          lh[nt][j] = lh[nt][j] * ch[nt][j] + (p[j] + p[j + 2]);
+          moved |= ch[nt][j] != 1.0f;
+        }
+        pb[nt][0] = movmatrix_trans(Mma<T>::pack(p[0], p[1]));
+        pb[nt][1] = movmatrix_trans(Mma<T>::pack(p[2], p[3]));
       }
-    }
-    // Scores in log2 units (the scale times log2(e) folded into one multiply), so each
-    // probability is one ex2; m0/m1 are converted back to natural units after the loop.
-    const unsigned* rows = sRows + (tile % (NST + 1)) * KEY_TILE + warp * 16;
-    if (softcap > 0.0f) {
+      if (__any_sync(0xffffffffu, moved)) {  // the running max rarely moves in decode
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[j][e] = softcap_score(s[j][e] * score_scale, softcap) * CUPA_LOG2E;
-    } else {
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] *= score_scale2;
-    }
-    float mx0 = CUPA_NEG_INF, mx1 = CUPA_NEG_INF;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = j * 8 + (lane & 3) * 2 + (e & 1);
-        if (rows[key] == NO_ROW) s[j][e] = CUPA_NEG_INF;
+          for (int mt = 0; mt < MT; ++mt) {
+            ot[nt][mt][0] *= ch[nt][0];
+            ot[nt][mt][1] *= ch[nt][1];
+            ot[nt][mt][2] *= ch[nt][0];
+            ot[nt][mt][3] *= ch[nt][1];
+          }
       }
-      mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float c0 = m0 == CUPA_NEG_INF ? 0.0f : ex2_approx(m0 - n0);
-    const float c1 = m1 == CUPA_NEG_INF ? 0.0f : ex2_approx(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    // A row with no admitted key yet has max -inf: subtract 0 instead, so ex2(-inf) gives 0.
-    const float b0 = n0 == CUPA_NEG_INF ? 0.0f : n0, b1 = n1 == CUPA_NEG_INF ? 0.0f : n1;
-    float p[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) p[j][e] = ex2_approx(s[j][e] - (e < 2 ? b0 : b1));
-    }
-    l0 = l0 * c0 + (p[0][0] + p[0][1] + p[1][0] + p[1][1]);
-    l1 = l1 * c1 + (p[0][2] + p[0][3] + p[1][2] + p[1][3]);
-    if (__any_sync(0xffffffffu, c0 != 1.0f || c1 != 1.0f)) {  // the running max rarely moves in decode
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][0] *= c0;
-        o[n][1] *= c0;
-        o[n][2] *= c1;
-        o[n][3] *= c1;
-      }
-    }
-    unsigned a[4] = {Mma<T>::pack(p[0][0], p[0][1]), Mma<T>::pack(p[0][2], p[0][3]),
-                     Mma<T>::pack(p[1][0], p[1][1]), Mma<T>::pack(p[1][2], p[1][3])};
-    if constexpr (Cache::quantized) {
-      // Lane (n, c): channels n*D/8 .. n*D/8 + D/8 - 1 of keys {2c, 2c+1, 2c+8, 2c+9}, bytes
-      // transposed into (key pair, channel) words, then widened into B fragments.
+      // O^T += V^T P^T: lane (r, c) loads channels r*D/8 .. r*D/8 + D/8 - 1 of keys {2c, 2c+1, 2c+8,
+      // 2c+9}; byte pairs of two keys are transposed with prmt and widened into A fragments.
       const unsigned char* sVc = st + KEY_TILE * D;
-      constexpr int WORDS = D / 32;  // 4-channel words per row and lane
-      const int c = lane & 3, chunk = (lane >> 2) * (D / 8) / 16, sub = ((lane >> 2) * (D / 8)) % 16;
+      const int vchunk = r * (D / 8) / 16, vsub = (r * (D / 8)) % 16;
       unsigned w[4][WORDS];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int key = warp * 16 + 2 * c + (i & 1) + (i >> 1) * 8;
-        const unsigned char* src = sVc + code_v_offset<D>(key, chunk) + sub;
+        const unsigned char* src = sVc + code_v_offset<D>(key, vchunk) + vsub;
         if constexpr (WORDS == 4) {
           const uint4 v = *reinterpret_cast<const uint4*>(src);
           w[i][0] = v.x;
@@ -370,60 +381,226 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       }
 #pragma unroll
       for (int x = 0; x < WORDS; ++x) {
-        unsigned b0[4], b1[4];  // per channel 4x + e: keys (2c, 2c+1) and (2c+8, 2c+9)
-        Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x5140), b0[0], b0[1]);
-        Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x7362), b0[2], b0[3]);
-        Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x5140), b1[0], b1[1]);
-        Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x7362), b1[2], b1[3]);
+        unsigned a0[4], a1[4];  // m-tiles 2x (channels 4x, 4x+1) and 2x+1 (channels 4x+2, 4x+3)
+        Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x5140), a0[0], a0[1]);
+        Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x5140), a0[2], a0[3]);
+        Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x7362), a1[0], a1[1]);
+        Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x7362), a1[2], a1[3]);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) Mma<T>::run(o[4 * x + e], a, b0[e], b1[e]);
-      }
-    } else {
-      const T* sV = reinterpret_cast<const T*>(st) + KEY_TILE * D;
-#pragma unroll
-      for (int nn = 0; nn < D / 16; ++nn) {
-        unsigned b[4];
-        const int mi = lane >> 3;
-        ldmatrix_x4_trans(b, sV + swz<D>(warp * 16 + (mi & 1) * 8 + (lane & 7), nn * 16 + (mi >> 1) * 8));
-        Mma<T>::run(o[2 * nn], a, b[0], b[1]);
-        Mma<T>::run(o[2 * nn + 1], a, b[2], b[3]);
+        for (int nt = 0; nt < NT; ++nt) {
+          Mma<T>::run(ot[nt][2 * x], a0, pb[nt][0], pb[nt][1]);
+          Mma<T>::run(ot[nt][2 * x + 1], a1, pb[nt][0], pb[nt][1]);
+        }
       }
     }
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-
-  m0 = m0 == CUPA_NEG_INF ? m0 : m0 * CUPA_LN2;  // back to natural units for the merges
-  m1 = m1 == CUPA_NEG_INF ? m1 : m1 * CUPA_LN2;
-  // Merge the warps in order through shared memory (the stage buffers are free now).
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  float* cm = reinterpret_cast<float*>(stages);                 // [warp][row]
-  float* cl = cm + MMA_WARPS * MMA_ROWS;                         // [warp][row]
-  float* co = cl + MMA_WARPS * MMA_ROWS;                         // [warp][row][D]
-  const int r0 = lane >> 2;
-  if ((lane & 3) == 0) {
-    cm[warp * MMA_ROWS + r0] = m0;
-    cm[warp * MMA_ROWS + r0 + 8] = m1;
-    cl[warp * MMA_ROWS + r0] = l0;
-    cl[warp * MMA_ROWS + r0 + 8] = l1;
-  }
+    cp_async_wait<0>();
+    __syncthreads();
+    // Merge the warps in order through shared memory (the stage buffers are free now).
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    // Column k of n-tile n is channel n*8 + k (16-bit caches) or k*D/8 + n (8-bit caches).
-    const int k = (lane & 3) * 2;
-    const int d0 = Cache::quantized ? k * (D / 8) + n : n * 8 + k;
-    const int d1 = Cache::quantized ? d0 + D / 8 : d0 + 1;
-    float* row0 = co + (warp * MMA_ROWS + r0) * (D + 4);
-    float* row1 = co + (warp * MMA_ROWS + r0 + 8) * (D + 4);
-    row0[d0] = o[n][0];
-    row0[d1] = o[n][1];
-    row1[d0] = o[n][2];
-    row1[d1] = o[n][3];
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float l = lh[nt][j];
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+        const int head = 8 * nt + 2 * c + j;
+        if (r == 0) {
+          cm[warp * MMA_ROWS + head] = mh[nt][j] == CUPA_NEG_INF ? mh[nt][j] : mh[nt][j] * CUPA_LN2;
+          cl[warp * MMA_ROWS + head] = l;
+        }
+      }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int d0 = r * (D / 8) + 4 * (mt >> 1) + 2 * (mt & 1), d1 = d0 + 1;  // rows r and r + 8
+        float* head0 = co + (warp * MMA_ROWS + 8 * nt + 2 * c) * (D + 4);
+        float* head1 = head0 + (D + 4);
+        head0[d0] = ot[nt][mt][0];
+        head1[d0] = ot[nt][mt][1];
+        head0[d1] = ot[nt][mt][2];
+        head1[d1] = ot[nt][mt][3];
+      }
+    __syncthreads();
+  } else {
+    float o[D / 8][4];
+  #pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m0 = CUPA_NEG_INF, m1 = CUPA_NEG_INF, l0 = 0.0f, l1 = 0.0f;
+
+    for (int tile = 0; tile < ntiles; ++tile) {
+      cp_async_wait<NST - 2>();
+      __syncthreads();
+      const int stage = tile % NST;
+      if (tile + NST - 1 < ntiles) load_tile(tile + NST - 1);
+      cp_async_commit();
+      if (tile + NST < ntiles) find_rows(tile + NST);  // read after the next barrier
+
+      // S = Q K^T for this warp's 16 keys.
+      float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+      const unsigned char* st = stages + stage * L::stage_bytes;
+      if constexpr (Cache::quantized) {
+  #pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int key = warp * 16 + j * 8 + (lane >> 2);
+  #pragma unroll
+          for (int h = 0; h < D / 64; ++h) {
+            const uint4 w = *reinterpret_cast<const uint4*>(st + code_k_offset<D>(key, h * 4 + (lane & 3)));
+            const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+  #pragma unroll
+            for (int q4 = 0; q4 < 4; ++q4) {
+              unsigned b0, b1;
+              Widen4<T, Cache>::run(ws[q4], b0, b1);
+              Mma<T>::run(s[j], qf[h * 4 + q4], b0, b1);
+            }
+          }
+        }
+      } else {
+        const T* sK = reinterpret_cast<const T*>(st);
+  #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          unsigned b[4];
+          const int mi = lane >> 3;
+          ldmatrix_x4(b, sK + swz<D>(warp * 16 + (mi >> 1) * 8 + (lane & 7), kk * 16 + (mi & 1) * 8));
+          Mma<T>::run(s[0], qf[kk], b[0], b[1]);
+          Mma<T>::run(s[1], qf[kk], b[2], b[3]);
+        }
+      }
+      // Scores in log2 units (the scale times log2(e) folded into one multiply), so each
+      // probability is one ex2; m0/m1 are converted back to natural units after the loop.
+      const unsigned* rows = sRows + (tile % (NST + 1)) * KEY_TILE + warp * 16;
+      if (softcap > 0.0f) {
+  #pragma unroll
+        for (int j = 0; j < 2; ++j)
+  #pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[j][e] = softcap_score(s[j][e] * score_scale, softcap) * CUPA_LOG2E;
+      } else {
+  #pragma unroll
+        for (int j = 0; j < 2; ++j)
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] *= score_scale2;
+      }
+      float mx0 = CUPA_NEG_INF, mx1 = CUPA_NEG_INF;
+  #pragma unroll
+      for (int j = 0; j < 2; ++j) {
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = j * 8 + (lane & 3) * 2 + (e & 1);
+          if (rows[key] == NO_ROW) s[j][e] = CUPA_NEG_INF;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+      }
+  #pragma unroll
+      for (int off = 1; off < 4; off <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+      }
+      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+      const float c0 = m0 == CUPA_NEG_INF ? 0.0f : ex2_approx(m0 - n0);
+      const float c1 = m1 == CUPA_NEG_INF ? 0.0f : ex2_approx(m1 - n1);
+      m0 = n0;
+      m1 = n1;
+      // A row with no admitted key yet has max -inf: subtract 0 instead, so ex2(-inf) gives 0.
+      const float b0 = n0 == CUPA_NEG_INF ? 0.0f : n0, b1 = n1 == CUPA_NEG_INF ? 0.0f : n1;
+      float p[2][4];
+  #pragma unroll
+      for (int j = 0; j < 2; ++j) {
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) p[j][e] = ex2_approx(s[j][e] - (e < 2 ? b0 : b1));
+      }
+      l0 = l0 * c0 + (p[0][0] + p[0][1] + p[1][0] + p[1][1]);
+      l1 = l1 * c1 + (p[0][2] + p[0][3] + p[1][2] + p[1][3]);
+      if (__any_sync(0xffffffffu, c0 != 1.0f || c1 != 1.0f)) {  // the running max rarely moves in decode
+  #pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          o[n][0] *= c0;
+          o[n][1] *= c0;
+          o[n][2] *= c1;
+          o[n][3] *= c1;
+        }
+      }
+      unsigned a[4] = {Mma<T>::pack(p[0][0], p[0][1]), Mma<T>::pack(p[0][2], p[0][3]),
+                       Mma<T>::pack(p[1][0], p[1][1]), Mma<T>::pack(p[1][2], p[1][3])};
+      if constexpr (Cache::quantized) {
+        // Lane (n, c): channels n*D/8 .. n*D/8 + D/8 - 1 of keys {2c, 2c+1, 2c+8, 2c+9}, bytes
+        // transposed into (key pair, channel) words, then widened into B fragments.
+        const unsigned char* sVc = st + KEY_TILE * D;
+        constexpr int WORDS = D / 32;  // 4-channel words per row and lane
+        const int c = lane & 3, chunk = (lane >> 2) * (D / 8) / 16, sub = ((lane >> 2) * (D / 8)) % 16;
+        unsigned w[4][WORDS];
+  #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int key = warp * 16 + 2 * c + (i & 1) + (i >> 1) * 8;
+          const unsigned char* src = sVc + code_v_offset<D>(key, chunk) + sub;
+          if constexpr (WORDS == 4) {
+            const uint4 v = *reinterpret_cast<const uint4*>(src);
+            w[i][0] = v.x;
+            w[i][1] = v.y;
+            w[i][2] = v.z;
+            w[i][3] = v.w;
+          } else {
+            static_assert(WORDS == 2, "head_size 64 or 128");
+            const uint2 v = *reinterpret_cast<const uint2*>(src);
+            w[i][0] = v.x;
+            w[i][1] = v.y;
+          }
+        }
+  #pragma unroll
+        for (int x = 0; x < WORDS; ++x) {
+          unsigned b0[4], b1[4];  // per channel 4x + e: keys (2c, 2c+1) and (2c+8, 2c+9)
+          Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x5140), b0[0], b0[1]);
+          Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x7362), b0[2], b0[3]);
+          Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x5140), b1[0], b1[1]);
+          Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x7362), b1[2], b1[3]);
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) Mma<T>::run(o[4 * x + e], a, b0[e], b1[e]);
+        }
+      } else {
+        const T* sV = reinterpret_cast<const T*>(st) + KEY_TILE * D;
+  #pragma unroll
+        for (int nn = 0; nn < D / 16; ++nn) {
+          unsigned b[4];
+          const int mi = lane >> 3;
+          ldmatrix_x4_trans(b, sV + swz<D>(warp * 16 + (mi & 1) * 8 + (lane & 7), nn * 16 + (mi >> 1) * 8));
+          Mma<T>::run(o[2 * nn], a, b[0], b[1]);
+          Mma<T>::run(o[2 * nn + 1], a, b[2], b[3]);
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    m0 = m0 == CUPA_NEG_INF ? m0 : m0 * CUPA_LN2;  // back to natural units for the merges
+    m1 = m1 == CUPA_NEG_INF ? m1 : m1 * CUPA_LN2;
+    // Merge the warps in order through shared memory (the stage buffers are free now).
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const int r0 = lane >> 2;
+    if ((lane & 3) == 0) {
+      cm[warp * MMA_ROWS + r0] = m0;
+      cm[warp * MMA_ROWS + r0 + 8] = m1;
+      cl[warp * MMA_ROWS + r0] = l0;
+      cl[warp * MMA_ROWS + r0 + 8] = l1;
+    }
+  #pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      // Column k of n-tile n is channel n*8 + k (16-bit caches) or k*D/8 + n (8-bit caches).
+      const int k = (lane & 3) * 2;
+      const int d0 = Cache::quantized ? k * (D / 8) + n : n * 8 + k;
+      const int d1 = Cache::quantized ? d0 + D / 8 : d0 + 1;
+      float* row0 = co + (warp * MMA_ROWS + r0) * (D + 4);
+      float* row1 = co + (warp * MMA_ROWS + r0 + 8) * (D + 4);
+      row0[d0] = o[n][0];
+      row0[d1] = o[n][1];
+      row1[d0] = o[n][2];
+      row1[d1] = o[n][3];
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
   store_rows<T>(cm, cl, co, MMA_WARPS, MMA_ROWS, D + 4, nh, D, t, h0, H, g, split, num_splits, direct, head_sink,
                 v_scale, v_quant, out, part_o, part_ml);

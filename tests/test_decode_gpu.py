@@ -36,6 +36,28 @@ def test_decode_quantized(cp, rng, cache, kq, vq):
     gc.check_against_reference(cp, inputs, attrs, cache=cache)
 
 
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+@pytest.mark.parametrize("H,Hk,D", [(8, 1, 128), (12, 4, 64), (16, 2, 128), (16, 1, 64)])
+def test_decode_quantized_group_sizes(cp, rng, cache, H, Hk, D):
+    """8-bit caches with GQA groups of 8 or fewer query heads (the keys-as-M loop, 8 heads per CTA) and
+    of more (the head-major loop, 16 per CTA), with softcap, a window and sinks."""
+    inputs, attrs = gc.build(rng, B=3, H=H, Hk=Hk, D=D, cache=cache, softcap=25.0, window=300, sink=True,
+                             past=[900, 40, 2500])
+    gc.check_against_reference(cp, inputs, attrs, cache=cache)
+
+
+def test_decode_quantized_head_major_switch(cp, rng, monkeypatch):
+    """CUPA_DECODE_MMA8_T=0 keeps 8-bit caches on the head-major loop (for A/B runs); both are right."""
+    from cupa.kernels import decode
+
+    inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=128, cache="int8", past=[700, 1500, 3, 90])
+    problem = cupa.PagedAttention(**attrs).plan(**inputs)[0]
+    assert decode.uses_mma8_t(problem) and decode.heads_per_cta(problem) == 8
+    monkeypatch.setenv(decode.MMA8_T_ENV, "0")
+    assert not decode.uses_mma8_t(problem) and decode.heads_per_cta(problem) == 16
+    gc.check_against_reference(cp, inputs, attrs, cache="int8")
+
+
 def test_decode_features_combined(cp, rng):
     inputs, attrs = gc.build(rng, B=6, H=8, Hk=2, D=64, rotary=True, interleaved=True, qk_norm=True, sink=True,
                              softcap=30.0, window=37, packed=True)

@@ -265,6 +265,10 @@ def test_decode_trace_instrumentation_applies_and_compiles(tmp_path):
 
     src = trace_decode.instrumented_sources(str(tmp_path))
     text = (Path(src) / "decode_mma.cu").read_text()
-    assert text.count("cupa_trace_event(") == 1 + len(trace_decode.EVENTS)   # the helper + one probe per event
-    result = jit.compile_offline(registry.decode_mma_spec("float16", "T", 128), "sm_90", source_dir=src)
-    assert result.ok, result.log
+    for i in range(len(trace_decode.EVENTS)):   # every event probed (the key-loop ones once per loop variant)
+        assert f"cupa_trace_event({i});" in text
+    for cache, options in (("T", ()), ("int8", ("-DCUPA_MMA8_T=1",))):
+        spec = registry.decode_mma_spec("float16", cache, 128)
+        spec = jit.Specialization(spec.family, spec.name_expression, options)
+        result = jit.compile_offline(spec, "sm_90", source_dir=src)
+        assert result.ok, result.log

@@ -42,8 +42,21 @@ def uses_mma(problem: Problem) -> bool:
     return problem.dtype in ("float16", "bfloat16") and problem.head_size in MMA_HEAD_SIZES and rows < MMA_MAX_ROWS
 
 
+#: "0" turns off the keys-as-M loop of the tensor-core kernel for 8-bit caches (CUPA_MMA8_T in decode_mma.cu)
+MMA8_T_ENV = "CUPA_DECODE_MMA8_T"
+MMA8_T_HEADS = 8  # query heads per CTA of that loop (one n-tile)
+
+
+def uses_mma8_t(problem: Problem) -> bool:
+    """The 8-bit tensor-core loop with keys as the MMA's M dimension: GQA groups of at most 8 heads."""
+    return (os.environ.get(MMA8_T_ENV, "") != "0" and uses_mma(problem) and problem.quantized
+            and problem.group_size <= MMA8_T_HEADS)
+
+
 def heads_per_cta(problem: Problem) -> int:
-    return MMA_ROWS if uses_mma(problem) else types.head_chunk(problem.group_size)
+    if uses_mma(problem):
+        return MMA8_T_HEADS if uses_mma8_t(problem) else MMA_ROWS
+    return types.head_chunk(problem.group_size)
 
 
 def mma_shared_bytes(problem: Problem) -> int:
@@ -93,6 +106,8 @@ class DecodeBackend:
     def describe(self, problem: Problem) -> str:
         chunk, splits, gt = split_plan(problem, launch.sm_count_hint())
         engine = "tensor cores (mma.sync m16n8k16)" if uses_mma(problem) else "CUDA cores"
+        if uses_mma8_t(problem):
+            engine += ", keys as M"
         return (f"paged flash-decoding on {engine}: one CTA per (token, KV head, {gt}-head chunk, split); "
                 f"{splits} split(s) of {chunk} key positions; fused prologue first")
 
@@ -149,8 +164,10 @@ class DecodeBackend:
         grid = (p.token_count, p.kv_num_heads * head_chunks, num_splits)
         if uses_mma(p):
             spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size)
-            if p.quantized and MMA8_CTAS != 4:
-                spec = jit.Specialization(spec.family, spec.name_expression, (f"-DCUPA_MMA8_CTAS={MMA8_CTAS}",))
+            options = ((f"-DCUPA_MMA8_CTAS={MMA8_CTAS}",) if p.quantized and MMA8_CTAS != 4 else ()) + (
+                ("-DCUPA_MMA8_T=1", "-DCUPA_MMA8_NT=1") if uses_mma8_t(p) else ())
+            if options:
+                spec = jit.Specialization(spec.family, spec.name_expression, options)
             kernel = jit.get_kernel(spec)
             shared = mma_shared_bytes(p)
             launch.ensure_shared_memory(kernel, shared)
