@@ -163,11 +163,10 @@ class DecodeBackend:
             i32(types.QUANT_CODE[p.v_quant]), i32(passthrough))
         grid = (p.token_count, p.kv_num_heads * head_chunks, num_splits)
         if uses_mma(p):
-            spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size)
-            options = ((f"-DCUPA_MMA8_CTAS={MMA8_CTAS}",) if p.quantized and MMA8_CTAS != 4 else ()) + (
-                ("-DCUPA_MMA8_T=1", "-DCUPA_MMA8_NT=1") if uses_mma8_t(p) else ())
-            if options:
-                spec = jit.Specialization(spec.family, spec.name_expression, options)
+            spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size, keys_as_m=uses_mma8_t(p))
+            if p.quantized and MMA8_CTAS != 4:
+                spec = jit.Specialization(spec.family, spec.name_expression,
+                                          spec.options + (f"-DCUPA_MMA8_CTAS={MMA8_CTAS}",))
             kernel = jit.get_kernel(spec)
             shared = mma_shared_bytes(p)
             launch.ensure_shared_memory(kernel, shared)

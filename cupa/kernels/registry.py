@@ -21,9 +21,11 @@ def decode_spec(dtype: str, cache_kind: str, head_chunk: int) -> Specialization:
     return Specialization("decode", f"paged_decode<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_chunk}>")
 
 
-def decode_mma_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
+def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, keys_as_m: bool = False) -> Specialization:
+    """``keys_as_m``: the 8-bit caches' loop with keys as the MMA's M dimension (GQA groups of <= 8 heads)."""
     return Specialization(
-        "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
+        "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>",
+        ("-DCUPA_MMA8_T=1",) if keys_as_m else ())
 
 
 def prefill_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
@@ -49,6 +51,8 @@ def all_specializations() -> list:
     for dtype in ("float16", "bfloat16"):
         for kind in types.CACHE_CXX:
             specs.extend(decode_mma_spec(dtype, kind, d) for d in MMA_HEAD_SIZES)
+            if kind != "T":
+                specs.extend(decode_mma_spec(dtype, kind, d, keys_as_m=True) for d in MMA_HEAD_SIZES)
     from .prefill import PREFILL_DTYPES, PREFILL_HEAD_SIZES
 
     for dtype in PREFILL_DTYPES:
@@ -66,6 +70,6 @@ def backends() -> list:
     from .prefill import BACKEND as prefill
     from .prefill_wgmma import BACKEND as prefill_wgmma
 
-    # prefill_wgmma declines every call unless CUPA_PREFILL_WGMMA=1 on a compute-capability-9.0
-    # device (fp16/bf16, T caches, head_size 128); whatever it declines goes to the mma.sync prefill.
+    # prefill_wgmma serves fp16/bf16 calls with T caches and head_size 128 on a compute-capability-9.0
+    # device (unless CUPA_PREFILL_WGMMA=0); whatever it declines goes to the mma.sync prefill.
     return [prefill_wgmma, prefill, decode]
