@@ -46,6 +46,26 @@ def test_decode_quantized_group_sizes(cp, rng, cache, H, Hk, D):
     gc.check_against_reference(cp, inputs, attrs, cache=cache)
 
 
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+def test_decode_quantized_ragged_through_the_decode_backend(cp, rng, cache):
+    """Several tokens per sequence (causal within the call), zero-token sequences and a window through the
+    decode backend itself (dispatch would send this call to prefill): the keys-as-M loop per token."""
+    from cupa.kernels import decode
+
+    inputs, attrs = gc.build(rng, q_lens=[3, 0, 9, 1], past=[40, 7, 0, 1200], H=8, Hk=2, D=128, cache=cache,
+                             window=100, sink=True)
+    ref = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()},
+                               **attrs)
+    dev = gc.to_device(cp, inputs)
+    problem, _, bound = cupa.PagedAttention(**attrs).plan(**dev)
+    assert decode.uses_mma8_t(problem)
+    out = cp.full((problem.token_count, 8 * 128), np.nan, dtype=dev["query"].dtype)
+    decode.BACKEND.run(problem, bound, out=out)
+    host = cp.asnumpy(out)
+    assert not np.isnan(host.astype(np.float32)).any()
+    assert gc.rel_error(host, ref) < gc.TOLERANCE["float16"]
+
+
 def test_decode_quantized_head_major_switch(cp, rng, monkeypatch):
     """CUPA_DECODE_MMA8_T=0 keeps 8-bit caches on the head-major loop (for A/B runs); both are right."""
     from cupa.kernels import decode
