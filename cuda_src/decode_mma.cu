@@ -91,6 +91,32 @@ template <int D> CUPA_DEVICE int code_v_offset(int key, int chunk) {
   return pair * 128 + (((((key & 1) << 2) | chunk) ^ ((pair & 3) << 1)) << 4);
 }
 
+// The V codes lane (r, c) of `warp` widens into MMA fragments (8-bit V tile, see the header):
+// channels r*D/8 .. r*D/8 + D/8 - 1 of the warp's keys 2c, 2c+1, 2c+8, 2c+9 (i = 0..3), as D/32
+// words of 4 channels each; bank-conflict free through code_v_offset.
+template <int D>
+CUPA_DEVICE void load_v_codes(const unsigned char* sVc, int warp, int lane, unsigned (&w)[4][D / 32]) {
+  constexpr int WORDS = D / 32;
+  const int r = lane >> 2, c = lane & 3, chunk = r * (D / 8) / 16, sub = (r * (D / 8)) % 16;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int key = warp * 16 + 2 * c + (i & 1) + (i >> 1) * 8;
+    const unsigned char* src = sVc + code_v_offset<D>(key, chunk) + sub;
+    if constexpr (WORDS == 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(src);
+      w[i][0] = v.x;
+      w[i][1] = v.y;
+      w[i][2] = v.z;
+      w[i][3] = v.w;
+    } else {
+      static_assert(WORDS == 2, "head_size 64 or 128");
+      const uint2 v = *reinterpret_cast<const uint2*>(src);
+      w[i][0] = v.x;
+      w[i][1] = v.y;
+    }
+  }
+}
+
 // Two 16-byte cp.async copies (a K and a V chunk) of one key row, or 16 zeros into each without
 // reading the sources when row == NO_ROW (one compare inside the asm: no int materialized).
 CUPA_DEVICE void cp_async_16x2_unless_no_row(unsigned sk, unsigned sv, const void* gk, const void* gv, unsigned row) {
@@ -359,26 +385,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       }
       // O^T += V^T P^T: lane (r, c) loads channels r*D/8 .. r*D/8 + D/8 - 1 of keys {2c, 2c+1, 2c+8,
       // 2c+9}; byte pairs of two keys are transposed with prmt and widened into A fragments.
-      const unsigned char* sVc = st + KEY_TILE * D;
-      const int vchunk = r * (D / 8) / 16, vsub = (r * (D / 8)) % 16;
       unsigned w[4][WORDS];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int key = warp * 16 + 2 * c + (i & 1) + (i >> 1) * 8;
-        const unsigned char* src = sVc + code_v_offset<D>(key, vchunk) + vsub;
-        if constexpr (WORDS == 4) {
-          const uint4 v = *reinterpret_cast<const uint4*>(src);
-          w[i][0] = v.x;
-          w[i][1] = v.y;
-          w[i][2] = v.z;
-          w[i][3] = v.w;
-        } else {
-          static_assert(WORDS == 2, "head_size 64 or 128");
-          const uint2 v = *reinterpret_cast<const uint2*>(src);
-          w[i][0] = v.x;
-          w[i][1] = v.y;
-        }
-      }
+      load_v_codes<D>(st + KEY_TILE * D, warp, lane, w);
 #pragma unroll
       for (int x = 0; x < WORDS; ++x) {
         unsigned a0[4], a1[4];  // m-tiles 2x (channels 4x, 4x+1) and 2x+1 (channels 4x+2, 4x+3)
@@ -424,7 +432,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
     __syncthreads();
   } else {
     float o[D / 8][4];
-  #pragma unroll
+#pragma unroll
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m0 = CUPA_NEG_INF, m1 = CUPA_NEG_INF, l0 = 0.0f, l1 = 0.0f;
 
@@ -440,14 +448,14 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
       const unsigned char* st = stages + stage * L::stage_bytes;
       if constexpr (Cache::quantized) {
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int key = warp * 16 + j * 8 + (lane >> 2);
-  #pragma unroll
+#pragma unroll
           for (int h = 0; h < D / 64; ++h) {
             const uint4 w = *reinterpret_cast<const uint4*>(st + code_k_offset<D>(key, h * 4 + (lane & 3)));
             const unsigned ws[4] = {w.x, w.y, w.z, w.w};
-  #pragma unroll
+#pragma unroll
             for (int q4 = 0; q4 < 4; ++q4) {
               unsigned b0, b1;
               Widen4<T, Cache>::run(ws[q4], b0, b1);
@@ -457,7 +465,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
         }
       } else {
         const T* sK = reinterpret_cast<const T*>(st);
-  #pragma unroll
+#pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
           unsigned b[4];
           const int mi = lane >> 3;
@@ -470,21 +478,21 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       // probability is one ex2; m0/m1 are converted back to natural units after the loop.
       const unsigned* rows = sRows + (tile % (NST + 1)) * KEY_TILE + warp * 16;
       if (softcap > 0.0f) {
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < 2; ++j)
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 4; ++e)
             s[j][e] = softcap_score(s[j][e] * score_scale, softcap) * CUPA_LOG2E;
       } else {
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < 2; ++j)
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 4; ++e) s[j][e] *= score_scale2;
       }
       float mx0 = CUPA_NEG_INF, mx1 = CUPA_NEG_INF;
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < 2; ++j) {
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = j * 8 + (lane & 3) * 2 + (e & 1);
           if (rows[key] == NO_ROW) s[j][e] = CUPA_NEG_INF;
@@ -492,7 +500,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
         mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
         mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
       }
-  #pragma unroll
+#pragma unroll
       for (int off = 1; off < 4; off <<= 1) {
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
@@ -505,15 +513,15 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       // A row with no admitted key yet has max -inf: subtract 0 instead, so ex2(-inf) gives 0.
       const float b0 = n0 == CUPA_NEG_INF ? 0.0f : n0, b1 = n1 == CUPA_NEG_INF ? 0.0f : n1;
       float p[2][4];
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < 2; ++j) {
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) p[j][e] = ex2_approx(s[j][e] - (e < 2 ? b0 : b1));
       }
       l0 = l0 * c0 + (p[0][0] + p[0][1] + p[1][0] + p[1][1]);
       l1 = l1 * c1 + (p[0][2] + p[0][3] + p[1][2] + p[1][3]);
       if (__any_sync(0xffffffffu, c0 != 1.0f || c1 != 1.0f)) {  // the running max rarely moves in decode
-  #pragma unroll
+#pragma unroll
         for (int n = 0; n < D / 8; ++n) {
           o[n][0] *= c0;
           o[n][1] *= c0;
@@ -526,40 +534,22 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       if constexpr (Cache::quantized) {
         // Lane (n, c): channels n*D/8 .. n*D/8 + D/8 - 1 of keys {2c, 2c+1, 2c+8, 2c+9}, bytes
         // transposed into (key pair, channel) words, then widened into B fragments.
-        const unsigned char* sVc = st + KEY_TILE * D;
         constexpr int WORDS = D / 32;  // 4-channel words per row and lane
-        const int c = lane & 3, chunk = (lane >> 2) * (D / 8) / 16, sub = ((lane >> 2) * (D / 8)) % 16;
         unsigned w[4][WORDS];
-  #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int key = warp * 16 + 2 * c + (i & 1) + (i >> 1) * 8;
-          const unsigned char* src = sVc + code_v_offset<D>(key, chunk) + sub;
-          if constexpr (WORDS == 4) {
-            const uint4 v = *reinterpret_cast<const uint4*>(src);
-            w[i][0] = v.x;
-            w[i][1] = v.y;
-            w[i][2] = v.z;
-            w[i][3] = v.w;
-          } else {
-            static_assert(WORDS == 2, "head_size 64 or 128");
-            const uint2 v = *reinterpret_cast<const uint2*>(src);
-            w[i][0] = v.x;
-            w[i][1] = v.y;
-          }
-        }
-  #pragma unroll
+        load_v_codes<D>(st + KEY_TILE * D, warp, lane, w);
+#pragma unroll
         for (int x = 0; x < WORDS; ++x) {
           unsigned b0[4], b1[4];  // per channel 4x + e: keys (2c, 2c+1) and (2c+8, 2c+9)
           Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x5140), b0[0], b0[1]);
           Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x7362), b0[2], b0[3]);
           Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x5140), b1[0], b1[1]);
           Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x7362), b1[2], b1[3]);
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 4; ++e) Mma<T>::run(o[4 * x + e], a, b0[e], b1[e]);
         }
       } else {
         const T* sV = reinterpret_cast<const T*>(st) + KEY_TILE * D;
-  #pragma unroll
+#pragma unroll
         for (int nn = 0; nn < D / 16; ++nn) {
           unsigned b[4];
           const int mi = lane >> 3;
@@ -586,7 +576,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       cl[warp * MMA_ROWS + r0] = l0;
       cl[warp * MMA_ROWS + r0 + 8] = l1;
     }
-  #pragma unroll
+#pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       // Column k of n-tile n is channel n*8 + k (16-bit caches) or k*D/8 + n (8-bit caches).
       const int k = (lane & 3) * 2;
