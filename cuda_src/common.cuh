@@ -10,9 +10,12 @@
 
 // ---- programmatic dependent launch (compute capability 9.0+; no-ops before) ---------------------
 // The prologue lets the attention kernel that follows it be scheduled at once; that kernel runs
-// its preamble (token lookup, block-table reads) and then waits in EVERY CTA, before it reads what
-// the prologue writes (Q workspace, cache rows, split counters) and before it exits (so it never
-// completes ahead of the prologue). Without a programmatic launch the wait returns at once.
+// its preamble (token lookup, block-table reads) and then waits before it reads what the prologue
+// writes (Q workspace, cache rows, split counters). The decode kernels wait in every CTA, also
+// before exiting; the prefill kernels reading new K/V from the inputs (NewKeys, prefill_tiles.cuh)
+// wait only in the CTAs that read cache rows, and in CTA 0: a grid one of whose CTAs waited
+// cannot complete ahead of the prologue, so the stream order after the pair stays that of two plain
+// launches. Without a programmatic launch the wait returns at once.
 CUPA_DEVICE void grid_dependency_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -71,7 +71,8 @@ struct PrefillSmem {
 
 template <typename T, typename Cache, int D>
 __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>::MIN_CTAS) paged_prefill(
-    const T* __restrict__ q,  // (N, H, D): prologue output
+    const T* __restrict__ q,  // (N, H, D): prologue output, or `query` itself
+    const T* __restrict__ key, const T* __restrict__ value,  // new K/V rows to read (NewKeys), or null
     const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
     const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
     const int* __restrict__ query_positions, const T* __restrict__ head_sink,
@@ -88,7 +89,12 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   static_assert(KEYS % 32 == 0 && KEYS <= THREADS, "one thread per key row when finding rows");
   static_assert(ROWS <= THREADS && ROWS % 32 == 0, "one thread per query row when locating rows");
 
-  grid_dependency_wait();  // the prologue's writes (cache rows, Q workspace) are visible from here
+  // The prologue's writes (cache rows, Q workspace) are visible after grid_dependency_wait. Without
+  // new-key inputs every CTA waits here; with them (NewKeys, prefill_tiles.cuh) CTA 0 does (so the
+  // grid never completes ahead of the prologue: see common.cuh) and so does, further down, every
+  // CTA that reads a cache row.
+  const bool kv_new = !Cache::quantized && key != nullptr;  // (a quantized cache never gets them)
+  if (!kv_new || blockIdx.x == 0) grid_dependency_wait();
   if ((int)blockIdx.x < zero_ctas) {
     prefill_zero_pass<T, WARPS>(out, cum, batch_size, token_count, num_heads, D);
     return;
@@ -123,6 +129,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   const int b = rt.b;
 
   // Each row's token, ownership and admitted range (thread i: row i; prefill_tiles.cuh).
+  __shared__ NewKeys sNew;
+  if (tid == 0) sNew = new_keys(kv_new, rt, __ldg(past + b), G);
   if (tid < ROWS) {
     int lo, hi;
     locate_tile_row(rt, tid, g, G, cum, past, B, query_positions, (long long)max_blocks * block_size,
@@ -143,6 +151,9 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     khi = max(khi, sRangeHi[w]);
   }
   const int ntiles = khi > klo ? (khi - klo + KEYS - 1) / KEYS : 0;
+  // Every admitted key is one of the sequence's new tokens: K/V tiles come from key / value (NewKeys).
+  const bool from_inputs = kv_new && ntiles > 0 && klo >= sNew.lo && khi <= sNew.hi;
+  const int tok_shift = sNew.tok_shift;  // (a register: find_rows runs on the loop's critical path)
 
   // Q rows; rows without admitted keys are zero. Without a per-channel K scale the rows are copied
   // as they are with cp.async (in the first copy group, with the first K/V tile, so their latency
@@ -190,7 +201,9 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
           blk = physical_block(block_table, max_blocks, num_blocks, b, index);
         }
       }
-      sRows[rs * KEYS + tid] = blk >= 0 ? ((long long)blk * block_size + in_block) * row_stride_bytes + head_bytes : 0;
+      // the row: new token k + tok_shift of key / value, or the cache slot
+      const long long row = from_inputs ? new_token_row(k, tok_shift) : (long long)blk * block_size + in_block;
+      sRows[rs * KEYS + tid] = blk >= 0 ? row * row_stride_bytes + head_bytes : 0;
       sBytes[rs * KEYS + tid] = blk >= 0 ? 16 : 0;
       const unsigned mapped = __ballot_sync(0xffffffffu, blk >= 0);
       if (lane == 0) sMapped[rs * MASK_WORDS + warp] = mapped;
@@ -204,8 +217,10 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   const int copy_key0 = tid / CHUNKS_PER_ROW, copy_col = (tid % CHUNKS_PER_ROW) * 16;  // bytes
   const unsigned copy_dst = Cache::quantized ? (unsigned)(copy_key0 * D + copy_col)
                                              : (unsigned)(2 * swz<D>(copy_key0, copy_col / 2));
-  const unsigned char* k_src = reinterpret_cast<const unsigned char*>(key_cache) + copy_col;
-  const unsigned char* v_src = reinterpret_cast<const unsigned char*>(value_cache) + copy_col;
+  const unsigned char* k_src =
+      reinterpret_cast<const unsigned char*>(from_inputs ? (const void*)key : (const void*)key_cache) + copy_col;
+  const unsigned char* v_src =
+      reinterpret_cast<const unsigned char*>(from_inputs ? (const void*)value : (const void*)value_cache) + copy_col;
   auto load_tile = [&](int st, int rs) {
     const unsigned dK = stages_a + st * L::stage_bytes + copy_dst;
     const long long* rows = sRows + rs * KEYS + copy_key0;
@@ -227,6 +242,7 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
 #pragma unroll
   for (int s = 0; s < NST; ++s) find_rows(s, s);
   __syncthreads();  // sQ, row offsets of the first NST tiles
+  if (kv_new && ntiles > 0 && !from_inputs) grid_dependency_wait();  // reads cache rows
 #pragma unroll
   for (int s = 0; s < NST - 1; ++s) {
     if (s < ntiles) load_tile(s, s);

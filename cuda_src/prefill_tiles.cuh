@@ -113,6 +113,42 @@ CUPA_DEVICE bool locate_row_tile(const int* cum, int batch_size, int token_count
   return true;
 }
 
+// ---- new keys read from the call's own key / value inputs ----------------------------------------
+// When the prologue stores K and V unchanged -- key and value given apart, a T cache, no rotary, no
+// QK-norm, derived slots, no query_positions (prefill.py kv_from_inputs decides from static facts) --
+// the row of sequence b's new token j is copied as it is to cache position past_b + j. A CTA whose
+// admitted keys all lie in [lo, hi), the positions of tokens sequence b owns, reads its K/V tiles
+// from `key` / `value` instead (the same bits; the same row layout, Hk * D elements per token with
+// head g at g * D: only the base pointers and the row index change), so it needs nothing the
+// prologue writes and never waits for it: in a call without a past, no attention CTA waits and the
+// two kernels run side by side. Any other CTA -- one that reads a past, or a position whose token is
+// not sequence b's (a malformed cum) -- reads the cache after grid_dependency_wait, as without
+// inputs. Block masking is the same for both sources (an unmapped block is masked, and the prologue
+// writes nothing there either).
+struct NewKeys {
+  int lo, hi;      // positions of the sequence's own new tokens, [lo, hi) (empty without inputs)
+  int tok_shift;   // packed token of new position k: k + tok_shift (mod 2^32: new_token_row)
+};
+
+// Packed token (the row of key / value) of new position k in [lo, hi): k + tok_shift, which lies
+// in [0, token_count); the sum is taken mod 2^32 (tok_shift = cum[b] - past_b may wrap).
+CUPA_DEVICE int new_token_row(int k, int tok_shift) { return (int)((unsigned)k + (unsigned)tok_shift); }
+
+// New-key positions of the CTA's sequence (rt.b) whose past length is past_b: the tokens owned by b
+// are [max(origin(b), cum[b]), origin(b + 1)), and token t sits at position past_b + t - cum[b].
+CUPA_DEVICE NewKeys new_keys(bool inputs, const RowTile& rt, int past_b, int group) {
+  NewKeys nk;
+  nk.lo = nk.hi = nk.tok_shift = 0;
+  if (!inputs || past_b < 0) return nk;
+  const long long t_lo = max(rt.seq_origin, rt.seq_cum), t_hi = rt.seq_origin + rt.seq_rows / group;
+  const long long lo = (long long)past_b + (t_lo - rt.seq_cum), hi = (long long)past_b + (t_hi - rt.seq_cum);
+  if (t_hi <= t_lo || hi > 0x7fffffffLL) return nk;  // none, or beyond any int position (an invalid sequence)
+  nk.lo = (int)lo;
+  nk.hi = (int)hi;
+  nk.tok_shift = (int)((unsigned)rt.seq_cum - (unsigned)past_b);
+  return nk;
+}
+
 // Row r of the tile (thread r): its token (-1: not this CTA's row), query head g*G + row % G and
 // admitted key range [lo, hi) (an empty range is stored as 0, 0), into the shared arrays and lo/hi.
 // Tokens in the sequence's interval have find_owner == b; those before cum[b] have no owner.

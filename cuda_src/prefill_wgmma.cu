@@ -78,7 +78,8 @@ template <int ROWS_> CUPA_DEVICE unsigned wg_off(int r, int c) {
 
 template <typename T, typename Cache, int D>
 __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfig::MIN_CTAS) paged_prefill_wgmma(
-    const T* __restrict__ q,  // (N, H, D): prologue output
+    const T* __restrict__ q,  // (N, H, D): prologue output, or `query` itself
+    const T* __restrict__ key, const T* __restrict__ value,  // new K/V rows to read (NewKeys), or null
     const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
     const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
     const int* __restrict__ query_positions, const T* __restrict__ head_sink,
@@ -97,7 +98,12 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
   static_assert(ROWS <= THREADS && ROWS % 64 == 0, "one thread per query row when locating rows");
   static_assert(NST >= 2, "the loop waits for all but NST - 2 copy groups");
 
-  grid_dependency_wait();  // the prologue's writes (cache rows, Q workspace) are visible from here
+  // The prologue's writes (cache rows, Q workspace) are visible after grid_dependency_wait. Without
+  // new-key inputs every CTA waits here; with them (NewKeys, prefill_tiles.cuh) CTA 0 does (so the
+  // grid never completes ahead of the prologue: see common.cuh) and so does, further down, every
+  // CTA that reads a cache row.
+  const bool kv_new = key != nullptr;
+  if (!kv_new || blockIdx.x == 0) grid_dependency_wait();
   if ((int)blockIdx.x < zero_ctas) {
     prefill_zero_pass<T, WARPS>(out, cum, batch_size, token_count, num_heads, D);
     return;
@@ -131,6 +137,8 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
 
   // Each row's token, ownership and admitted range (thread i: row i), as prefill.cu; each locating
   // warp also reduces its rows' union and intersection (over rows with a non-empty range).
+  __shared__ NewKeys sNew;
+  if (tid == 0) sNew = new_keys(kv_new, rt, __ldg(past + b), G);
   if (tid < ROWS) {
     int lo, hi;
     locate_tile_row(rt, tid, g, G, cum, past, B, query_positions, (long long)max_blocks * block_size,
@@ -150,6 +158,9 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
     khi = max(khi, sLocRange[w].y);
   }
   const int ntiles = khi > klo ? (khi - klo + KEYS - 1) / KEYS : 0;
+  // Every admitted key is one of the sequence's new tokens: K/V tiles come from key / value (NewKeys).
+  const bool from_inputs = kv_new && ntiles > 0 && klo >= sNew.lo && khi <= sNew.hi;
+  const int tok_shift = sNew.tok_shift;  // (a register: find_rows runs on the loop's critical path)
   // This warpgroup's 64 rows = locating warps 2*wg and 2*wg + 1: the union of their ranges (tiles
   // outside it are skipped by the whole warpgroup) and the intersection (tiles inside it, all keys
   // mapped, need no per-element mask). Uniform over the warpgroup, as wgmma requires.
@@ -190,7 +201,9 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
           blk = physical_block(block_table, max_blocks, num_blocks, b, index);
         }
       }
-      sRows[rs * KEYS + tid] = blk >= 0 ? ((long long)blk * block_size + in_block) * row_stride_bytes + head_bytes : 0;
+      // the row: new token k + tok_shift of key / value, or the cache slot
+      const long long row = from_inputs ? new_token_row(k, tok_shift) : (long long)blk * block_size + in_block;
+      sRows[rs * KEYS + tid] = blk >= 0 ? row * row_stride_bytes + head_bytes : 0;
       sBytes[rs * KEYS + tid] = blk >= 0 ? 16 : 0;
       const unsigned mapped = __ballot_sync(0xffffffffu, blk >= 0);
       if (lane == 0) sMapped[rs * MASK_WORDS + warp] = mapped;
@@ -203,8 +216,10 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
   static_assert(THREADS % CHUNKS_PER_ROW == 0 && KEYS % KSTEP == 0 && KSTEP % 8 == 0, "whole copy rounds");
   const int copy_key0 = tid / CHUNKS_PER_ROW, copy_chunk = tid % CHUNKS_PER_ROW;
   const unsigned copy_dst = wg_off<KEYS>(copy_key0, copy_chunk * 8);
-  const unsigned char* k_src = reinterpret_cast<const unsigned char*>(key_cache) + copy_chunk * 16;
-  const unsigned char* v_src = reinterpret_cast<const unsigned char*>(value_cache) + copy_chunk * 16;
+  const unsigned char* k_src =
+      reinterpret_cast<const unsigned char*>(from_inputs ? (const void*)key : (const void*)key_cache) + copy_chunk * 16;
+  const unsigned char* v_src = reinterpret_cast<const unsigned char*>(
+                                   from_inputs ? (const void*)value : (const void*)value_cache) + copy_chunk * 16;
   auto load_tile = [&](int st, int rs) {
     const unsigned dK = stages_a + st * L::stage_bytes + copy_dst;
     const long long* rows = sRows + rs * KEYS + copy_key0;
@@ -226,6 +241,7 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
 #pragma unroll
   for (int s = 0; s < NST; ++s) find_rows(s, s);
   __syncthreads();  // row offsets of the first NST tiles
+  if (kv_new && ntiles > 0 && !from_inputs) grid_dependency_wait();  // reads cache rows
 #pragma unroll
   for (int s = 0; s < NST - 1; ++s) {
     if (s < ntiles) load_tile(s, s);

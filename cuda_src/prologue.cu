@@ -5,6 +5,9 @@
 // Rows that are plain copies go in 16-byte chunks over all the CTA's threads; the others one warp
 // per row. Few tokens: one group of rows per CTA (latency); many tokens: fewer CTAs, each doing
 // more rows and then more tokens (the token lookup amortized, more bytes in flight per thread).
+// TOKEN_LOOP (the prologue beside the prefill kernel, only plain K/V copies): a few 512-thread CTAs
+// of many consecutive tokens each, warp k copying tokens k, k + 16, ... (cupa/kernels/prefill.py
+// prologue_beside).
 // A row is staged in shared memory as floats, QK-normed and rotated (Q and K rows), rounded to T,
 // then Q goes to the (N, H, D) workspace the attention kernels read, and K/V are encoded into
 // their cache slot.
@@ -25,10 +28,13 @@
 #endif
 constexpr int PROLOGUE_U = CUPA_PROLOGUE_U;
 constexpr int PROLOGUE_MAX_TPC = 4;
+// CTA size of the prologue that runs beside the prefill attention kernel (TOKEN_LOOP; mirrored in
+// cupa/kernels/prologue.py); the others have 128 threads.
+constexpr int PROLOGUE_BESIDE_THREADS = 512;
 static_assert(PROLOGUE_MAX_TPC <= 128 / 32, "warp k copies token k: no more tokens per CTA than warps");
 
-template <typename T, typename Cache>
-__global__ void __launch_bounds__(128) paged_prologue(
+template <typename T, typename Cache, bool TOKEN_LOOP = false>
+__global__ void __launch_bounds__(TOKEN_LOOP ? PROLOGUE_BESIDE_THREADS : 128) paged_prologue(
     const T* __restrict__ query, const T* __restrict__ key, const T* __restrict__ value,
     typename Cache::storage* __restrict__ key_cache, typename Cache::storage* __restrict__ value_cache,
     const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
@@ -78,10 +84,10 @@ __global__ void __launch_bounds__(128) paged_prologue(
     const int cpr_shift = __ffs(cpr) - 1;
     const int per_token = (rows - first_plain) * cpr;
     const bool one_token = tokens_per_cta == 1;
-    const int k = one_token ? 0 : warp;  // the CTA's token this thread copies
     const int team = one_token ? (int)(blockDim.x * gridDim.y) : 32;
     const int member = one_token ? (int)(blockIdx.y * blockDim.x + threadIdx.x) : lane;
-    if (k < ntok && per_token > 0) {
+    // the CTA's tokens this thread copies: k = warp, warp + num_warps, ... (0 alone for one token)
+    for (int k = one_token ? 0 : warp; k < ntok && per_token > 0; k += num_warps) {
       const int t = t0 + k;
       const T* k_src = k_src_of(t);
       const T* v_src = v_src_of(t);
@@ -127,6 +133,7 @@ __global__ void __launch_bounds__(128) paged_prologue(
           }
         }
       }
+      if constexpr (!TOKEN_LOOP) break;  // one token per warp: a single pass (ntok <= warps)
     }
   }
 

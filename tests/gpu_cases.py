@@ -191,3 +191,46 @@ def check_graph_capture(cp, inputs, attrs, metadata):
         graph.launch(stream)
         stream.synchronize()
     assert rel_error(cp.asnumpy(out), ref) < TOLERANCE[np.dtype(inputs["query"].dtype).name]
+
+
+def build_prefix_written_this_call(rng, **kw):
+    """A ragged prefill whose new tokens are read back, in the same call, as another sequence's past.
+
+    Sequence 0 has no past and writes its first 16 new tokens into its block 0; sequence 1 maps its
+    logical block 0 to that same block (a shared prefix) and has a past of 16, so its attention reads
+    positions 0..15 from rows this call writes (SPEC 4.1: every write lands before any read).
+    Sequences 2 and 3 are a zero-token one with a past and one without a past.
+    """
+    inputs, attrs = build(rng, q_lens=[40, 10, 0, 33], past=[0, 16, 5, 0], block_size=16, **kw)
+    inputs["block_table"][1, 0] = inputs["block_table"][0, 0]
+    return inputs, attrs
+
+
+def check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, *, backend, dtype="float16", metadata=None,
+                               beside=False):
+    """The prefill reading new K/V from key/value (prefill.kv_from_inputs; explain() says so, and whether
+    the prologue runs beside the attention kernel on SMs of its own) against the reference, then bit
+    for bit against the same call with that off (CUPA_PREFILL_KV_INPUTS=0): output, key cache and
+    value cache."""
+    from cupa import api
+    from cupa.kernels import prefill
+
+    def explain():
+        return cupa.PagedAttention(**attrs).explain(**to_device(cp, inputs), attention_metadata=metadata)
+
+    text = explain()
+    assert f"{backend}: chosen" in text and "new K/V read from key/value" in text, text
+    assert ("SMs of its own" in text) == beside, text
+    out_on, dev_on = check_against_reference(cp, inputs, attrs, dtype=dtype, metadata=metadata)
+    monkeypatch.setenv(prefill.KV_INPUTS_ENV, "0")
+    api._bound_op.cache_clear()
+    try:
+        assert "new K/V read from key/value" not in explain()
+        out_off, dev_off = check_against_reference(cp, inputs, attrs, dtype=dtype, metadata=metadata)
+    finally:
+        monkeypatch.delenv(prefill.KV_INPUTS_ENV)
+        api._bound_op.cache_clear()
+    for name, a, b in (("output", out_on, out_off), ("key_cache", dev_on["key_cache"], dev_off["key_cache"]),
+                       ("value_cache", dev_on["value_cache"], dev_off["value_cache"])):
+        a, b = cp.asnumpy(a), cp.asnumpy(b)
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), f"{name}: bits differ with {prefill.KV_INPUTS_ENV}=0"

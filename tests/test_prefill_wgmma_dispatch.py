@@ -134,3 +134,56 @@ def test_wgmma_kernel_compiles_for_sm_90a_without_spills():
         if r.has_stats:
             assert not r.spills, r.summary()
             assert "wgmma.mma_async instructions are serialized" not in r.log, r.log
+
+
+def test_new_keys_from_inputs_only_where_the_prologue_copies_rows_unchanged(rng, monkeypatch):
+    """prefill.kv_from_inputs: the attention kernels read new K/V from key/value only when the prologue
+    stores them unchanged at positions past + j (unpacked, T cache, no rotary, no QK-norm, derived slots,
+    no query_positions); CUPA_PREFILL_KV_INPUTS=0 turns it off. explain() says which."""
+    from cupa.kernels import prefill
+
+    monkeypatch.delenv(prefill.KV_INPUTS_ENV, raising=False)
+    assert prefill.kv_from_inputs(problem_of(rng)[0])
+    assert "new K/V read from key/value" in prefill.prologue_phrase(problem_of(rng)[0])
+    slots = gc.derived_slots(gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)[0], 16)
+    for kw in (dict(packed=True), dict(rotary=True), dict(qk_norm=True), dict(cache="int8"), dict(cache="fp8"),
+               dict(slot_mapping=slots), dict(query_positions=True)):
+        problem = problem_of(rng, **kw)[0]
+        assert not prefill.kv_from_inputs(problem), kw
+        assert prefill.prologue_phrase(problem) == "fused prologue first", kw
+    monkeypatch.setenv(prefill.KV_INPUTS_ENV, "0")
+    assert not prefill.kv_from_inputs(problem_of(rng)[0])
+
+
+def test_prologue_beside_only_without_a_past_by_the_bounds(rng, monkeypatch):
+    """prefill.prologue_beside: the 512-thread prologue on SMs of its own only under kv_from_inputs, with
+    attention_metadata bounding kv lengths by the longest new-token run, and enough tokens; its launch
+    then has beside_sms() CTAs of 512 threads (the token-loop specialization)."""
+    import numpy as np
+
+    from cupa.kernels import prefill, prologue
+
+    monkeypatch.delenv(prologue.BESIDE_SMS_ENV, raising=False)
+    monkeypatch.delenv(prefill.KV_INPUTS_ENV, raising=False)
+
+    def problem(q_lens, past, md=None, **kw):
+        inputs, attrs = gc.build(rng, q_lens=q_lens, past=past, H=4, Hk=2, D=64, **kw)
+        op = cupa.PagedAttention(**attrs)
+        return op._problem(op._bind((), dict(inputs, attention_metadata=md)))
+
+    big = [1100, 0, 1000]
+    no_past = np.array([1100, 1100], dtype=np.int32)
+    assert prefill.prologue_beside(problem(big, [0, 0, 0], no_past))
+    assert "SMs of its own" in prefill.prologue_phrase(problem(big, [0, 0, 0], no_past))
+    assert not prefill.prologue_beside(problem(big, [0, 0, 0]))                                  # no bounds
+    assert not prefill.prologue_beside(problem(big, [0, 0, 9], np.array([1100, 1109], np.int32)))  # a past
+    assert not prefill.prologue_beside(problem([100, 0, 90], [0, 0, 0], np.array([100, 100], np.int32)))
+    assert not prefill.prologue_beside(problem(big, [0, 0, 0], no_past, rotary=True))
+    monkeypatch.setenv(prologue.BESIDE_SMS_ENV, "8")
+    p = problem(big, [0, 0, 0], no_past)
+    assert prefill.prologue_beside(p)
+    specs = []
+    monkeypatch.setattr(prologue.jit, "get_kernel", lambda spec: specs.append(spec) or object())
+    launcher = prologue.prologue_launcher(p, beside=True)
+    assert specs[0].name_expression.endswith(", true>")
+    assert launcher.block[0] == prologue.BESIDE_THREADS and launcher.grid[:2] == (8, 1)

@@ -19,8 +19,9 @@ Host time per call is most of the cost of a small decode step, so the steady sta
   ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, through ctypes: CuPy has no binding):
   its CTAs are scheduled while the previous kernel runs (that kernel executes
   ``griddepcontrol.launch_dependents``) and run their preamble (token lookup, block-table reads)
-  until ``griddepcontrol.wait``, which every CTA executes before reading anything the previous
-  kernel writes, and before exiting. ``CUPA_PDL=0`` launches every step the plain way.
+  until ``griddepcontrol.wait``, which a CTA executes before reading anything the previous kernel
+  writes; at least one CTA of the grid executes it (so the grid never completes ahead of the previous
+  kernel). ``CUPA_PDL=0`` launches every step the plain way.
 
 ``CUPA_LAUNCH=rawkernel`` (or :func:`set_mode`) launches through ``cupy.RawKernel.__call__`` instead,
 with the same argument values: the reference route for A/B comparisons.
@@ -522,8 +523,8 @@ class Sequence:
     steps : list of (Launcher, indices) or (Launcher, indices, programmatic)
         ``indices[j]``: the position in the pointer list of the launcher's j-th :data:`POINTER`.
         ``programmatic`` (default False): the kernel executes ``grid_dependency_wait()`` (common.cuh)
-        in every CTA before it reads what the previous step writes and before it exits, so it may
-        be launched with programmatic dependent launch (see the module docstring).
+        in every CTA that reads what the previous step writes, before it does, and in at least one
+        CTA, so it may be launched with programmatic dependent launch (see the module docstring).
     npointers : int
         Length of the pointer list given at each launch.
 

@@ -16,13 +16,14 @@ not needed to size anything: results are the same bits with or without it.
 from __future__ import annotations
 
 import math
+import os
 
 from .. import jit
 from ..contract import Problem
 from ..errors import fail
 from . import launch, registry, types
 from .launch import POINTER
-from .prologue import POINTER_INPUTS, prologue_launcher, q_passthrough
+from .prologue import POINTER_INPUTS, beside_sms, prologue_launcher, q_passthrough
 from .types import f32, i32
 
 PREFILL_DTYPES = ("float16", "bfloat16")
@@ -70,6 +71,49 @@ def launch_plan(problem: Problem) -> dict:
             "keys": TILE_CONFIG[D][2], "stages": TILE_CONFIG[D][3]}
 
 
+#: "0" turns off reading the new tokens' K/V from ``key``/``value`` (:func:`kv_from_inputs`): an A/B switch.
+KV_INPUTS_ENV = "CUPA_PREFILL_KV_INPUTS"
+
+
+def kv_from_inputs(problem: Problem) -> bool:
+    """True when the prologue stores the new K/V rows unchanged at the positions past + j: ``key`` and
+    ``value`` given apart, a T cache, no rotary, no QK-norm, derived slots, no ``query_positions``.
+    The attention kernels then read the new positions from ``key``/``value`` (the same bits) and a
+    CTA whose keys are all new -- every CTA of a prefill without a past -- runs alongside the
+    prologue instead of waiting for it (NewKeys in cuda_src/prefill_tiles.cuh)."""
+    p = problem
+    return (os.environ.get(KV_INPUTS_ENV, "") != "0" and q_passthrough(p) and not p.quantized and not p.latent
+            and not p.has_slot_mapping and not p.has_query_positions)
+
+
+#: Tokens per beside-prologue CTA below which the plain prologue launch is kept (a short prologue).
+BESIDE_MIN_TOKENS_PER_SM = 64
+
+
+def prologue_beside(problem: Problem, device_id=None) -> bool:
+    """Whether the prologue runs as a few fat CTAs beside the attention kernel (prologue_launcher's
+    ``beside``): under :func:`kv_from_inputs` (so CTAs without a past never wait for it), with enough
+    tokens for the copy to matter, and when attention_metadata's bounds say that no sequence has more
+    keys than the longest run of new tokens (max_kv_len_bound <= max_query_len_bound: a call without
+    a past to speak of). Where CTAs read a past they wait for the prologue, which is then better spread
+    over every SM (measured on the H200: B=8 x 512 new tokens over 8192 cached ones, 1.689 -> 1.695 ms
+    beside on 40 SMs; B=4 x 2048 without a past, 498.9 -> 493 us). A launch choice only: the prologue
+    writes the same bytes either way. ``device_id``: also require programmatic launch on it."""
+    p = problem
+    static = (kv_from_inputs(p) and p.has_metadata and p.max_kv_len_bound <= p.max_query_len_bound
+              and p.token_count >= BESIDE_MIN_TOKENS_PER_SM * beside_sms())
+    return static and (device_id is None or launch.pdl_enabled(device_id))
+
+
+def prologue_phrase(problem: Problem) -> str:
+    """How the attention launch relates to the prologue, for explain()."""
+    if kv_from_inputs(problem):
+        where = (f", on {beside_sms()} SMs of its own with programmatic launch" if prologue_beside(problem) else "")
+        return (f"fused prologue alongside{where} (new K/V read from key/value; only CTAs that read cached rows "
+                f"wait for the prologue; {KV_INPUTS_ENV}=0 turns this off)")
+    return "fused prologue first"
+
+
 class PrefillBackend:
     name = "prefill"
 
@@ -98,7 +142,7 @@ class PrefillBackend:
         return (f"paged prefill on tensor cores (mma.sync m16n8k16): one CTA per (tile of {plan['rows']} "
                 f"(token, group head) rows of one sequence, KV head); {plan['num_tiles']} row tiles x "
                 f"{problem.kv_num_heads} KV heads + {plan['zero_ctas']} zero-pass CTA(s); keys in tiles of "
-                f"{plan['keys']} through a {plan['stages']}-stage cp.async pipeline; fused prologue first; "
+                f"{plan['keys']} through a {plan['stages']}-stage cp.async pipeline; {prologue_phrase(problem)}; "
                 f"token_count ({problem.token_count}) {'>' if self.preferred(problem) else '<='} batch_size "
                 f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
 
@@ -139,8 +183,9 @@ class PrefillBackend:
 
     def _recipe(self, p: Problem, call) -> "_Recipe":
         """The prologue and attention launches of ``p`` on the call's device (built once per problem
-        object and device, with the device current): the attention kernel waits for the prologue in
-        every CTA (grid_dependency_wait at its top), so it is a programmatic step."""
+        object and device, with the device current): the attention kernel waits for the prologue
+        (grid_dependency_wait) before it reads anything the prologue writes -- in every CTA, or under
+        :func:`kv_from_inputs` in CTA 0 and the CTAs that read cache rows -- so it is a programmatic step."""
         a = p.attrs
         plan = self._plan(p)
         kernel = jit.get_kernel(self._spec(p))
@@ -156,9 +201,13 @@ class PrefillBackend:
         r = _Recipe()
         r.q_bytes = 0 if passthrough else launch.align(
             p.token_count * p.num_heads * p.head_size * call.dev["query"].dtype.itemsize)
-        pointers = ((_I["query"],) + _ATTEND_POINTERS[1:]) if passthrough else _ATTEND_POINTERS
-        r.launches = launch.Sequence([(prologue_launcher(p), _PROLOGUE_POINTERS), (attend, pointers, True)],
-                                     _NPOINTERS)
+        pointers = list(_ATTEND_POINTERS)
+        if passthrough:
+            pointers[0] = _I["query"]
+        if kv_from_inputs(p):
+            pointers[1:3] = [_I["key"], _I["value"]]
+        prologue = prologue_launcher(p, beside=prologue_beside(p, call.device_id))
+        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (attend, pointers, True)], _NPOINTERS)
         return r
 
 
@@ -175,9 +224,9 @@ _NPOINTERS = len(launch.PTR_INDEX) + 3
 _I = launch.PTR_INDEX
 # The prologue: its inputs, the Q workspace, and no split counters (null).
 _PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS, _NULL)
-# paged_prefill / paged_prefill_wgmma: q, key_cache, value_cache, cum, past, block_table, query_positions,
-# head_sink, k_scale, v_scale, out
-_ATTEND_POINTERS = (_Q_WS, _I["key_cache"], _I["value_cache"], _I["cumulative_sequence_length"],
+# paged_prefill / paged_prefill_wgmma: q, key, value (null unless kv_from_inputs), key_cache, value_cache, cum,
+# past, block_table, query_positions, head_sink, k_scale, v_scale, out
+_ATTEND_POINTERS = (_Q_WS, _NULL, _NULL, _I["key_cache"], _I["value_cache"], _I["cumulative_sequence_length"],
                     _I["past_seqlens"], _I["block_table"], _I["query_positions"], _I["head_sink"], _I["k_scale"],
                     _I["v_scale"], _OUT)
 

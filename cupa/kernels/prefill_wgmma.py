@@ -28,7 +28,7 @@ from typing import Optional
 
 from ..contract import Problem
 from . import registry
-from .prefill import MAX_GRID_X, PrefillBackend
+from .prefill import MAX_GRID_X, PrefillBackend, prologue_phrase
 
 #: The switch: "0" turns the backend off (validated on an H200: tests/test_prefill_wgmma_gpu.py).
 ENV_VAR = "CUPA_PREFILL_WGMMA"
@@ -118,7 +118,7 @@ class PrefillWgmmaBackend(PrefillBackend):
                 f"{ENV_VAR}=0): one CTA of 2 warpgroups per (tile of {plan['rows']} (token, group head) rows of "
                 f"one sequence, KV head); {plan['num_tiles']} row tiles x {problem.kv_num_heads} KV heads + "
                 f"{plan['zero_ctas']} zero-pass CTA(s); keys in tiles of {plan['keys']} through a "
-                f"{plan['stages']}-stage cp.async pipeline; fused prologue first; token_count "
+                f"{plan['stages']}-stage cp.async pipeline; {prologue_phrase(problem)}; token_count "
                 f"({problem.token_count}) {'>' if self.preferred(problem) else '<='} batch_size "
                 f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
 

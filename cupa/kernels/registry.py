@@ -13,8 +13,11 @@ from ..jit import Specialization
 from . import types
 
 
-def prologue_spec(dtype: str, cache_kind: str) -> Specialization:
-    return Specialization("prologue", f"paged_prologue<{types.act(dtype)}, {types.cache(cache_kind, dtype)}>")
+def prologue_spec(dtype: str, cache_kind: str, token_loop: bool = False) -> Specialization:
+    """The fused prologue; ``token_loop``: the 512-thread variant that runs beside the prefill kernel
+    (prologue.py beside_launcher), each warp copying several tokens' plain K/V rows."""
+    args = f"{types.act(dtype)}, {types.cache(cache_kind, dtype)}" + (", true" if token_loop else "")
+    return Specialization("prologue", f"paged_prologue<{args}>")
 
 
 def decode_spec(dtype: str, cache_kind: str, head_chunk: int) -> Specialization:
@@ -56,6 +59,7 @@ def all_specializations() -> list:
     from .prefill import PREFILL_DTYPES, PREFILL_HEAD_SIZES
 
     for dtype in PREFILL_DTYPES:
+        specs.append(prologue_spec(dtype, "T", token_loop=True))
         for kind in types.CACHE_CXX:
             specs.extend(prefill_spec(dtype, kind, d) for d in PREFILL_HEAD_SIZES)
     from .prefill_wgmma import WGMMA_DTYPES, WGMMA_HEAD_SIZES
