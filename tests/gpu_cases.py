@@ -234,3 +234,18 @@ def check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, *, backend, dtype
                        ("value_cache", dev_on["value_cache"], dev_off["value_cache"])):
         a, b = cp.asnumpy(a), cp.asnumpy(b)
         assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), f"{name}: bits differ with {prefill.KV_INPUTS_ENV}=0"
+
+
+def check_new_keys_cases(cp, rng, monkeypatch, *, backend, dtype, head_sizes):
+    """check_new_keys_from_inputs on: a call without a past (each head size), one whose new rows are
+    another sequence's past in the same call (that CTA waits for the prologue; D=128), and one with
+    enough tokens and bounds without a past, where the prologue runs beside the attention kernel (its
+    512-thread token-loop variant on SMs of its own; the first head size)."""
+    for D in head_sizes:
+        inputs, attrs = build(rng, q_lens=[70, 0, 130], past=[0, 0, 0], H=8, Hk=2, D=D, dtype=dtype)
+        check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend=backend, dtype=dtype)
+    inputs, attrs = build_prefix_written_this_call(rng, H=8, Hk=2, D=128, dtype=dtype)
+    check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend=backend, dtype=dtype)
+    inputs, attrs = build(rng, q_lens=[1100, 0, 1000], past=[0, 0, 0], H=4, Hk=2, D=head_sizes[0], dtype=dtype)
+    check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend=backend, dtype=dtype,
+                               metadata=np.array([1100, 1100], dtype=np.int32), beside=True)

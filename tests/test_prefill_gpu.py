@@ -135,18 +135,9 @@ def test_prologue_plain_copies_in_many_passes(cp, rng, monkeypatch, variant):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_prefill_new_keys_from_inputs(cp, rng, monkeypatch, dtype):
-    """New K/V read from key/value: a call without a past, and one whose new rows are another
-    sequence's past in the same call (that CTA waits for the prologue): same bits as the cache route."""
-    for D in (64, 128):
-        inputs, attrs = gc.build(rng, q_lens=[70, 0, 130], past=[0, 0, 0], H=8, Hk=2, D=D, dtype=dtype)
-        gc.check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend="prefill", dtype=dtype)
-    inputs, attrs = gc.build_prefix_written_this_call(rng, H=8, Hk=2, D=128, dtype=dtype)
-    gc.check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend="prefill", dtype=dtype)
-    # enough tokens, and bounds without a past: the prologue runs beside the attention kernel (its
-    # 512-thread token-loop variant on SMs of its own)
-    inputs, attrs = gc.build(rng, q_lens=[1100, 0, 1000], past=[0, 0, 0], H=4, Hk=2, D=64, dtype=dtype)
-    gc.check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend="prefill", dtype=dtype,
-                                  metadata=np.array([1100, 1100], dtype=np.int32), beside=True)
+    """New K/V read from key/value (no past; new rows that are another sequence's past in the same call;
+    the prologue beside the kernel): the reference, and the same bits as the cache route."""
+    gc.check_new_keys_cases(cp, rng, monkeypatch, backend="prefill", dtype=dtype, head_sizes=(64, 128))
 
 
 def test_prefill_window_sink_softcap(cp, rng):

@@ -75,17 +75,9 @@ def test_smoke_not_causal_full_tiles(cp, rng, wgmma_on):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_new_keys_from_inputs(cp, rng, monkeypatch, wgmma_on, dtype):
-    """New K/V read from key/value (no past; and new rows that are another sequence's past in the same
-    call): the reference, and the same bits as the cache route (CUPA_PREFILL_KV_INPUTS=0)."""
-    inputs, attrs = gc.build(rng, q_lens=[70, 0, 130], past=[0, 0, 0], H=8, Hk=2, D=128, dtype=dtype)
-    gc.check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend="prefill_wgmma", dtype=dtype)
-    inputs, attrs = gc.build_prefix_written_this_call(rng, H=8, Hk=2, D=128, dtype=dtype)
-    gc.check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend="prefill_wgmma", dtype=dtype)
-    # enough tokens, and bounds without a past: the prologue runs beside the attention kernel (its
-    # 512-thread token-loop variant on SMs of its own)
-    inputs, attrs = gc.build(rng, q_lens=[1100, 0, 1000], past=[0, 0, 0], H=4, Hk=2, D=128, dtype=dtype)
-    gc.check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend="prefill_wgmma", dtype=dtype,
-                                  metadata=np.array([1100, 1100], dtype=np.int32), beside=True)
+    """New K/V read from key/value (no past; new rows that are another sequence's past in the same call;
+    the prologue beside the kernel): the reference, and the same bits as the cache route."""
+    gc.check_new_keys_cases(cp, rng, monkeypatch, backend="prefill_wgmma", dtype=dtype, head_sizes=(128,))
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64, 256])
