@@ -181,6 +181,14 @@ def sm_count(device_id: int) -> int:
     return _cp().cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
+def current_device_hint():
+    """The current CuPy device's id (for explain()), or None where none is usable."""
+    try:
+        return _cp().cuda.runtime.getDevice()
+    except Exception:
+        return None
+
+
 def sm_count_hint() -> int:
     """SM count of the current device (for explain()); 132 (H200) when none is usable."""
     try:

@@ -108,7 +108,8 @@ def prologue_beside(problem: Problem, device_id=None) -> bool:
 def prologue_phrase(problem: Problem) -> str:
     """How the attention launch relates to the prologue, for explain()."""
     if kv_from_inputs(problem):
-        where = (f", on {beside_sms()} SMs of its own with programmatic launch" if prologue_beside(problem) else "")
+        where = (f", on {beside_sms()} SMs of its own" if prologue_beside(problem, launch.current_device_hint())
+                 else "")
         return (f"fused prologue alongside{where} (new K/V read from key/value; only CTAs that read cached rows "
                 f"wait for the prologue; {KV_INPUTS_ENV}=0 turns this off)")
     return "fused prologue first"
