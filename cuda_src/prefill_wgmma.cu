@@ -23,7 +23,7 @@
 // Shared-memory layouts (all 16-bit, 128B swizzle, see wgmma.cuh for the descriptor fields):
 // a [rows][128] tile (Q: rows = ROWS; K, V: rows = KEYS) is stored as two slabs [rows][64], slab h
 // holding columns 64h..64h+63 at byte offset h*rows*128; inside a slab, element (r, c) sits at
-// r*128 + ((c/8 ^ r%8) * 16) + (c%8)*2 (wg_off below). Every slab starts 1024-aligned.
+// r*128 + ((c/8 ^ r%8) * 16) + (c%8)*2 (wg_off in wgmma.cuh). Every slab starts 1024-aligned.
 //   Q (A of S, K-major): warpgroup u, k16 step kk: start = sQ + (kk/4)*ROWS*128 + u*64*128 +
 //     (kk%4)*32, SBO = 1024 (next 8 rows), LBO unused.
 //   K (B of S, K-major, N = 64 keys = 8 groups of 8 rows): start = sK + (kk/4)*KEYS*128 +
@@ -40,6 +40,7 @@
 #include "softmax.cuh"
 #include "prefill_tiles.cuh"
 #include "wgmma.cuh"
+#include "prefill_wgmma_tile.cuh"
 
 #ifndef CUPA_WGMMA_PV_SPLIT_N
 #define CUPA_WGMMA_PV_SPLIT_N 0
@@ -70,11 +71,6 @@ struct WgmmaPrefillSmem {
   static_assert(q_bytes % 1024 == 0 && tile_bytes % 1024 == 0, "swizzle atoms stay 1024-aligned");
   static_assert(total <= 227 * 1024, "an sm_90 CTA's dynamic shared memory");
 };
-
-// Byte offset of element (r, c) of a [ROWS_][128] 16-bit tile in the two-slab 128B-swizzle layout.
-template <int ROWS_> CUPA_DEVICE unsigned wg_off(int r, int c) {
-  return (unsigned)((c >> 6) * (ROWS_ * 128) + r * 128 + ((((c >> 3) & 7) ^ (r & 7)) << 4) + (c & 7) * 2);
-}
 
 template <typename T, typename Cache, int D>
 __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfig::MIN_CTAS) paged_prefill_wgmma(
@@ -258,11 +254,7 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
   const unsigned long long v_desc0 = wg_desc_sw128(stages_a + L::tile_bytes, KEYS * 128, 1024);
   auto qk_step = [](int kk, int rows) { return (unsigned long long)(((kk >> 2) * rows * 128 + (kk & 3) * 32) >> 4); };
 
-  const float score_scale = scale;
-  const float scale_log2 = score_scale * CUPA_LOG2E;
-  const bool fold = !(softcap > 0.0f) && scale_log2 > 0.0f;
-  const float mul = fold ? scale_log2 : 1.0f;
-  const float inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
+  const WgScores sc(scale, softcap);
   float o[D / 2];  // O accumulator: o[4n + e] = O[row (e/2 ? +8)][8n + 2(lane%4) + e%2]
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
@@ -312,85 +304,8 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
     wgmma_wait<0>();
     wg_fence_operands(s);
 
-    // Rare transforms under one uniform branch: softcap, or a scale that cannot be folded.
-    if (!fold) {
-#pragma unroll
-      for (int i = 0; i < KEYS / 2; ++i) {
-        float v = s[i] * score_scale;
-        if (softcap > 0.0f) v = softcap * tanhf(v * inv_softcap);
-        s[i] = v * CUPA_LOG2E;
-      }
-    }
-    if (!interior) {  // row ranges come from shared memory
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int lo = sLo[my_row(i)], hi = sHi[my_row(i)];
-#pragma unroll
-        for (int j = 0; j < KEYS / 8; ++j) {
-#pragma unroll
-          for (int e = 2 * i; e < 2 * i + 2; ++e) {
-            const int col = j * 8 + (lane & 3) * 2 + (e & 1);
-            const int k = kt0 + col;
-            const bool admitted = k >= lo && k < hi && ((mw[j >> 2] >> (col & 31)) & 1u);
-            s[4 * j + e] = admitted ? s[4 * j + e] : CUPA_NEG_INF;
-          }
-        }
-      }
-    }
-    float c[2];
-    {
-      float mx[2] = {CUPA_NEG_INF, CUPA_NEG_INF};
-#pragma unroll
-      for (int j = 0; j < KEYS / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
-      }
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
-        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
-        const float nm = fmaxf(row_max[hf], mx[hf] * mul);
-        // A row with no admitted key yet (max -inf before and after) has o == 0, sum == 0; its
-        // exponent base is 0 so that masked scores (-inf) give exp2(-inf) = 0.
-        c[hf] = row_max[hf] == nm ? 1.0f : ex2_approx(row_max[hf] - nm);
-        row_max[hf] = nm;
-      }
-    }
-    {
-      float base[2], sum[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) base[hf] = row_max[hf] == CUPA_NEG_INF ? 0.0f : row_max[hf];
-#pragma unroll
-      for (int j = 0; j < KEYS / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[4 * j + e] = ex2_approx(fmaf(s[4 * j + e], mul, -base[e >> 1]));
-          sum[e >> 1] += s[4 * j + e];
-        }
-      }
-      row_sum[0] = row_sum[0] * c[0] + sum[0];
-      row_sum[1] = row_sum[1] * c[1] + sum[1];
-    }
-    if (__any_sync(0xffffffffu, c[0] != 1.0f || c[1] != 1.0f)) {
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[4 * n + 0] *= c[0];
-        o[4 * n + 1] *= c[0];
-        o[4 * n + 2] *= c[1];
-        o[4 * n + 3] *= c[1];
-      }
-    }
-
-    // P (T) as the A fragments of the 4 k16 steps over the tile's keys: step j2 covers keys
-    // 16*j2..16*j2+15 = accumulator n8 blocks 2*j2 and 2*j2 + 1.
     unsigned p[KEYS / 16][4];
-#pragma unroll
-    for (int j2 = 0; j2 < KEYS / 16; ++j2) {
-      p[j2][0] = Mma<T>::pack(s[8 * j2 + 0], s[8 * j2 + 1]);
-      p[j2][1] = Mma<T>::pack(s[8 * j2 + 2], s[8 * j2 + 3]);
-      p[j2][2] = Mma<T>::pack(s[8 * j2 + 4], s[8 * j2 + 5]);
-      p[j2][3] = Mma<T>::pack(s[8 * j2 + 6], s[8 * j2 + 7]);
-    }
+    wg_softmax_tile<T, KEYS, D>(s, o, p, row_max, row_sum, mw, interior, kt0, sLo, sHi, my_row(0), lane, sc);
     // O += P V: V's k16 step j2 = keys 16*j2.. = rows 16*j2.. of the V tile = +2048 bytes each.
     const unsigned long long v_desc = v_desc0 + (unsigned long long)((stage * L::stage_bytes) >> 4);
     // As for S: the rescaled o and the packed p are complete before wgmma.fence.
@@ -417,32 +332,6 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig::THREADS, WgmmaPrefillConfi
   __syncthreads();  // every warpgroup's last wgmma (reading sQ) is complete before sQ is rewritten
 
   // Epilogue: finalize this warp's rows into its own rows of sQ (as T), then store whole rows.
-  const bool has_sink = head_sink != nullptr;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
-    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
-  }
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int row = my_row(hf);
-    const bool live = sHi[row] > sLo[row];
-    const float sink = has_sink ? Act<T>::to_float(head_sink[sHead[row]]) : 0.0f;
-    // finalize() of a unit O is the row's factor (sink and 1/L; 0 without admitted keys).
-    const float factor = live ? finalize(row_max[hf] * CUPA_LN2, row_sum[hf], 1.0f, has_sink, sink, 1.0f) : 0.0f;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      const int d = n * 8 + (lane & 3) * 2;
-      const float x0 = o[4 * n + 2 * hf] * factor, x1 = o[4 * n + 2 * hf + 1] * factor;
-      *reinterpret_cast<unsigned*>(reinterpret_cast<unsigned char*>(sQ) + wg_off<ROWS>(row, d)) = Mma<T>::pack(x0, x1);
-    }
-  }
-  __syncwarp();
-  for (int c = lane; c < 16 * (D / 8); c += 32) {
-    const int r = warp * 16 + c / (D / 8), col = (c % (D / 8)) * 8;
-    const int tok = sTok[r];
-    if (tok < 0) continue;
-    *reinterpret_cast<uint4*>(out + ((long long)tok * H + sHead[r]) * D + col) =
-        *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(sQ) + wg_off<ROWS>(r, col));
-  }
+  wg_store_rows<T, ROWS, D>(o, row_max, row_sum, warp * 16, lane, reinterpret_cast<unsigned char*>(sQ), sLo, sHi, sHead,
+                            sTok, head_sink, out, H);
 }

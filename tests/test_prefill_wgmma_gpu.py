@@ -6,7 +6,10 @@ on both sides of each test), asserts that dispatch picks ``prefill_wgmma``, then
 element and cache byte (tests/gpu_cases.py). Skipped without a device, and on devices other than
 compute capability 9.0. First validated on an H200 in session 3 (37 passed).
 test_split_n_variant checks the ``-DCUPA_WGMMA_PV_SPLIT_N=1`` build (the P V product without the
-descriptor's leading byte offset) as well.
+descriptor's leading byte offset) as well. Every case taking the ``wgmma_on`` fixture runs with each of
+the backend's two kernels forced (the warp-specialized persistent one, CUPA_PREFILL_WGMMA_WS=1, first
+validated in session 6; paged_prefill_wgmma, =0); test_persistent_ctas_many_items caps the persistent
+CTAs so that each loops over many work items.
 """
 
 
@@ -32,9 +35,13 @@ def cp():
     return cupy
 
 
-@pytest.fixture
-def wgmma_on(monkeypatch):
+@pytest.fixture(params=["ws", "plain"])
+def wgmma_on(request, monkeypatch):
+    """The backend at its default, with each of its two kernels forced: the warp-specialized persistent
+    one (CUPA_PREFILL_WGMMA_WS=1) and paged_prefill_wgmma (CUPA_PREFILL_WGMMA_WS=0)."""
     monkeypatch.delenv(prefill_wgmma.ENV_VAR, raising=False)  # the default
+    monkeypatch.delenv(prefill_wgmma.WS_CTAS_ENV_VAR, raising=False)
+    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "1" if request.param == "ws" else "0")
     api._bound_op.cache_clear()
     yield
     api._bound_op.cache_clear()
@@ -205,11 +212,33 @@ def test_close_to_the_mma_sync_prefill(cp, rng, monkeypatch):
 
 def test_split_n_variant(cp, rng, wgmma_on, monkeypatch):
     """The -DCUPA_WGMMA_PV_SPLIT_N=1 build (two m64n64 P V products per step, LBO unused) gives the same result."""
+    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "0")  # a build option of paged_prefill_wgmma
     base = registry.prefill_wgmma_spec("float16")
     split = jit.Specialization(base.family, base.name_expression, ("-DCUPA_WGMMA_PV_SPLIT_N=1",), arch=base.arch)
     monkeypatch.setattr(registry, "prefill_wgmma_spec", lambda dtype, head_size=128: split)
     inputs, attrs = gc.build(rng, q_lens=[70, 130], past=[0, 40], H=8, Hk=2, D=128)
     check_wgmma(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 7])
+def test_persistent_ctas_many_items(cp, rng, monkeypatch, ctas):
+    """The warp-specialized kernel with few persistent CTAs: each loops over many work items, so both Q
+    buffers, both K/V stages and every mbarrier go through many phases, items without keys (a zero-token
+    sequence, rows outside any range) are interleaved with long ones, and the consumers' turns carry
+    across items. Ragged lengths, a past, a window on one call."""
+    monkeypatch.delenv(prefill_wgmma.ENV_VAR, raising=False)
+    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "1")
+    monkeypatch.setenv(prefill_wgmma.WS_CTAS_ENV_VAR, str(ctas))
+    api._bound_op.cache_clear()
+    try:
+        inputs, attrs = gc.build(rng, q_lens=[300, 0, 129, 1, 517], past=[0, 40, 1000, 7, 260], H=8, Hk=2, D=128,
+                                 block_size=16)
+        check_wgmma(cp, inputs, attrs)
+        inputs, attrs = gc.build(rng, q_lens=[200, 333], past=[150, 0], H=16, Hk=2, D=128, block_size=1,
+                                 dtype="bfloat16", window=70)
+        check_wgmma(cp, inputs, attrs, dtype="bfloat16")
+    finally:
+        api._bound_op.cache_clear()
 
 
 # ---- dispatch on the device --------------------------------------------------------------------

@@ -1,10 +1,16 @@
 """The Hopper wgmma prefill backend (sm_90a): the prefill of choice on compute capability 9.0.
 
-Same contract, launch layout, prologue and zero pass as the mma.sync prefill backend
-(:mod:`cupa.kernels.prefill`); the attention kernel is ``paged_prefill_wgmma``
-(cuda_src/prefill_wgmma.cu): one CTA = 2 warpgroups x 64 query rows of one sequence and one KV
-head, S = Q K^T on ``wgmma.m64n64k16`` and O += P V on ``wgmma.m64n128k16`` with P in registers,
-K/V rows gathered through the block table with cp.async into the 128B-swizzled layout wgmma reads.
+Same contract, prologue and zero pass as the mma.sync prefill backend (:mod:`cupa.kernels.prefill`),
+with one of two attention kernels, chosen from static sizes (:func:`ws_preferred`):
+
+- ``paged_prefill_wgmma`` (cuda_src/prefill_wgmma.cu): the mma.sync prefill's launch layout, one CTA =
+  2 warpgroups x 64 query rows of one sequence and one KV head, S = Q K^T on ``wgmma.m64n64k16`` and
+  O += P V on ``wgmma.m64n128k16`` with P in registers, K/V rows gathered through the block table with
+  cp.async into the 128B-swizzled layout wgmma reads, by every thread, one CTA barrier per key tile;
+- ``paged_prefill_wgmma_ws`` (cuda_src/prefill_wgmma_ws.cu): persistent, one CTA per SM looping over
+  the same work items, warp-specialized (a copier warpgroup gathering K/V, a scheduler warpgroup
+  locating rows and loading Q, two consumer warpgroups taking turns on the tensor cores; mbarriers,
+  setmaxnreg), 128-key tiles on ``wgmma.m64n128k16``: the faster one when sequences have long pasts.
 
 It serves a call only when all of these hold, and otherwise says why in explain() (the call then
 goes to the mma.sync prefill backend as before):
@@ -27,6 +33,7 @@ import os
 from typing import Optional
 
 from ..contract import Problem
+from ..errors import fail
 from . import registry
 from .prefill import MAX_GRID_X, PrefillBackend, prologue_phrase
 
@@ -37,10 +44,71 @@ WGMMA_HEAD_SIZES = (128,)
 #: mirrors WgmmaPrefillConfig in prefill_wgmma.cu
 ROWS, THREADS, KEYS, STAGES = 128, 256, 64, 2
 CAPABILITY = (9, 0)
+#: The warp-specialized persistent kernel (prefill_wgmma_ws.cu): "1" always, "0" never (paged_prefill_wgmma),
+#: unset: :func:`ws_preferred`'s static rule.
+WS_ENV_VAR = "CUPA_PREFILL_WGMMA_WS"
+#: ws_preferred: the kernel is chosen when a sequence may have this many times more keys than new tokens.
+WS_MIN_KV_PER_QUERY = 2
+#: mirrors WsPrefillConfig / WsPrefillSmem in prefill_wgmma_ws.cu
+WS_ROWS, WS_THREADS, WS_KEYS, WS_STAGES, WS_QBUFS = 128, 512, 128, 2, 2
 
 
 def enabled() -> bool:
     return os.environ.get(ENV_VAR, "") != "0"
+
+
+def ws_preferred(problem: Problem) -> bool:
+    """Whether a call goes to the warp-specialized kernel (read when a problem's launches are built).
+
+    Measured on the H200 (docs/performance.md): 5-6% faster than paged_prefill_wgmma on chunked prefill
+    (B=8 x 512 new tokens over 8192 cached: 1169 against 1230-1239 us), 1% slower without a past (B=4 x
+    2048: 379 against 375 us), where its copier warps' cp.async gathers are the limit. So the static
+    rule: the launch bounds (attention_metadata's, else the static sizes) allow a sequence at least
+    :data:`WS_MIN_KV_PER_QUERY` times more keys than new tokens. ``CUPA_PREFILL_WGMMA_WS`` overrides it.
+    """
+    env = os.environ.get(WS_ENV_VAR, "")
+    if env in ("0", "1"):
+        return env == "1"
+    if env:
+        raise fail(WS_ENV_VAR, repr(env), "'0' (never), '1' (always) or unset (the static rule)")
+    p = problem
+    return p.max_kv_len_bound >= WS_MIN_KV_PER_QUERY * p.max_query_len_bound
+
+
+#: Caps the persistent kernel's CTAs (default: one per SM): a test knob that puts many work items on each CTA.
+WS_CTAS_ENV_VAR = "CUPA_PREFILL_WS_CTAS"
+
+
+def ws_ctas(device_id: Optional[int] = None) -> Optional[int]:
+    """Persistent CTAs of the warp-specialized kernel: one per SM, or fewer under :data:`WS_CTAS_ENV_VAR`."""
+    sms = sm_count(device_id)
+    cap = os.environ.get(WS_CTAS_ENV_VAR, "")
+    if cap:
+        try:
+            n = int(cap)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise fail(WS_CTAS_ENV_VAR, repr(cap), "a positive integer (persistent CTAs of the wgmma prefill)")
+        return n if sms is None else min(n, sms)
+    return sms
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def sm_count(device_id: Optional[int] = None) -> Optional[int]:
+    """Streaming multiprocessors of ``device_id`` (default: the current CuPy device); None without a device."""
+    try:
+        import cupy
+
+        return _sm_count_of(cupy.cuda.runtime.getDevice() if device_id is None else device_id)
+    except Exception:  # no cupy, no driver, no device
+        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,6 +139,27 @@ def shared_bytes(problem: Problem) -> int:
     mapped = (STAGES + 1) * (KEYS // 32) * 4
     align_pad = 1024  # the kernel rounds the dynamic region up to a 1024-byte boundary (swizzle atoms)
     return q_bytes + STAGES * stage + rows + sizes + mapped + align_pad
+
+
+def ws_shared_bytes(problem: Problem) -> int:
+    """Dynamic shared memory of paged_prefill_wgmma_ws (mirrors WsPrefillSmem in prefill_wgmma_ws.cu): two Q
+    buffers and two stages of K and V tiles, plus the 1024-byte alignment pad."""
+    D = problem.head_size
+    return WS_QBUFS * WS_ROWS * D * 2 + WS_STAGES * 2 * WS_KEYS * D * 2 + 1024
+
+
+def ws_launch_plan(problem: Problem, sms: Optional[int] = None) -> dict:
+    """Grid of the persistent kernel: the zero-pass CTAs, then one CTA per SM (``sms``; None: as many as
+    work items, the bound used before a device is known) looping over the work items (row tile, KV head)
+    -- the same items and order as :func:`launch_plan`'s CTAs."""
+    p = problem
+    num_tiles = (p.token_count * p.group_size) // WS_ROWS + p.batch_size
+    items = num_tiles * p.kv_num_heads
+    zero_ctas = math.ceil(p.token_count / WS_THREADS)
+    persistent = items if sms is None else max(1, min(items, sms))
+    return {"rows": WS_ROWS, "threads": WS_THREADS, "num_tiles": num_tiles, "zero_ctas": zero_ctas,
+            "items": items, "persistent": persistent, "grid": zero_ctas + persistent, "keys": WS_KEYS,
+            "stages": WS_STAGES}
 
 
 def launch_plan(problem: Problem) -> dict:
@@ -113,6 +202,18 @@ class PrefillWgmmaBackend(PrefillBackend):
         return reasons
 
     def describe(self, problem: Problem) -> str:
+        if ws_preferred(problem):
+            plan = ws_launch_plan(problem, ws_ctas())
+            return (f"paged prefill on Hopper warpgroup MMA, warp-specialized (wgmma m64n128k16, sm_90a; off with "
+                    f"{ENV_VAR}=0): the warp-specialized kernel (max_kv_len_bound {problem.max_kv_len_bound} >= "
+                    f"{WS_MIN_KV_PER_QUERY} x max_query_len_bound {problem.max_query_len_bound}; {WS_ENV_VAR}=0/1 "
+                    f"overrides): {plan['persistent']} persistent CTAs of a copier warpgroup (block-table gathers "
+                    f"with cp.async), a scheduler warpgroup and 2 consumer warpgroups taking turns (mbarriers, "
+                    f"setmaxnreg), over {plan['num_tiles']} row tiles of {plan['rows']} (token, group "
+                    f"head) rows x {problem.kv_num_heads} KV heads, + {plan['zero_ctas']} zero-pass CTA(s); keys in "
+                    f"tiles of {plan['keys']} through a {plan['stages']}-stage ring; {prologue_phrase(problem)}; "
+                    f"token_count ({problem.token_count}) {'>' if self.preferred(problem) else '<='} batch_size "
+                    f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
         plan = launch_plan(problem)
         return (f"paged prefill on Hopper warpgroup MMA (wgmma m64n64k16 / m64n128k16, sm_90a; off with "
                 f"{ENV_VAR}=0): one CTA of 2 warpgroups per (tile of {plan['rows']} (token, group head) rows of "
@@ -122,14 +223,17 @@ class PrefillWgmmaBackend(PrefillBackend):
                 f"({problem.token_count}) {'>' if self.preferred(problem) else '<='} batch_size "
                 f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
 
+    # Read when a problem's launches are built (once per problem object and device).
     def _spec(self, p: Problem):
+        if ws_preferred(p):
+            return registry.prefill_wgmma_ws_spec(p.dtype, p.head_size)
         return registry.prefill_wgmma_spec(p.dtype, p.head_size)
 
     def _plan(self, p: Problem) -> dict:
-        return launch_plan(p)
+        return ws_launch_plan(p, ws_ctas()) if ws_preferred(p) else launch_plan(p)
 
     def _shared_bytes(self, p: Problem) -> int:
-        return shared_bytes(p)
+        return ws_shared_bytes(p) if ws_preferred(p) else shared_bytes(p)
 
 
 BACKEND = PrefillWgmmaBackend()

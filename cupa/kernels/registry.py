@@ -43,6 +43,14 @@ def prefill_wgmma_spec(dtype: str, head_size: int = 128) -> Specialization:
         arch="sm_90a")
 
 
+def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:
+    """The warp-specialized persistent wgmma prefill (producer warpgroup + two consumer warpgroups, setmaxnreg),
+    pinned to sm_90a like :func:`prefill_wgmma_spec`."""
+    return Specialization(
+        "prefill_wgmma_ws", f"paged_prefill_wgmma_ws<{types.act(dtype)}, {types.cache('T', dtype)}, {head_size}>",
+        arch="sm_90a")
+
+
 def all_specializations() -> list:
     specs = []
     for dtype in types.ACT_CXX:
@@ -65,6 +73,7 @@ def all_specializations() -> list:
     from .prefill_wgmma import WGMMA_DTYPES, WGMMA_HEAD_SIZES
 
     specs.extend(prefill_wgmma_spec(dtype, d) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES)
+    specs.extend(prefill_wgmma_ws_spec(dtype, d) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES)
     return specs
 
 

@@ -1,0 +1,473 @@
+// Paged prefill on Hopper, warp-specialized and persistent (sm_90a only): fp16/bf16 T, T caches,
+// head_size 128. The contract, tile numbering, masking and SPEC 4.4 rules of paged_prefill_wgmma
+// (prefill_wgmma.cu); what changes is who does what, and when.
+//
+// One CTA per SM (512 threads, ~200 KB of shared memory) loops over the work items (row tile x, KV
+// head g; numbered heaviest first as the one-CTA-per-item kernels number their CTAs), round r taking
+// item r * CTAs + c, or r * CTAs + CTAs - 1 - c in odd rounds (a snake, so that every CTA's items add
+// up to about the same work), with four warpgroups:
+//   copier (warps 0-3, 40 registers after setmaxnreg): gathers each item's K and V tiles of KEYS =
+//     128 keys row by row through the block table (any block_size) into a 2-stage ring, in the
+//     128B-swizzled layout wgmma reads: warp w handles keys 32w..32w+31, lane l finds the row of key
+//     32w + l one tile ahead (its block-table read in flight during the current copies) and puts it
+//     in shared memory; each round the warp copies 2 keys x 16 chunks of 16 bytes (cp.async).
+//   scheduler (warps 4-7, 40 registers): for each item, finds its sequence and the admitted key range
+//     of each of its 128 rows (thread r: row r), publishes them (WsItem for the copiers; the row data
+//     and the Q rows, cp.async into one of two Q buffers, for the consumers) as soon as the consumers
+//     give the buffer back, so the next item is ready before the current one ends.
+//   two consumers (warps 8-11 and 12-15, 216 registers): warpgroup u owns rows 64u..64u+63 of the
+//     item. Per key tile: S = Q K^T on wgmma.m64n128k16 (Q and K from shared memory), online
+//     softmax in registers, O += P V on wgmma.m64n128k16 (P from registers, V MN-major). Tile kt's
+//     P V and tile kt+1's S are issued as one batch ("turn"), and the two warpgroups take turns in
+//     strict alternation (named barriers 1 and 2: FA3's ping-pong), so one warpgroup's softmax runs
+//     while the other's products keep the tensor cores busy. The epilogue writes each warp's 16 rows
+//     through its own rows of the item's Q buffer, then gives the buffer back to the scheduler.
+// Full / empty mbarriers per Q buffer and per stage (K and V apart) replace the per-tile CTA barrier.
+// Ordering: cp.async writes are tracked by the full barriers (cp.async.mbarrier.arrive) and the
+// consumers run fence.proxy.async after each wait, before wgmma reads the data (async proxy); a
+// consumer releases a stage after wgmma.wait_group, whose completion orders its reads before the
+// copier's next writes (wgmma.cuh). Every wgmma is issued unconditionally (see the consumer loop).
+// Measured on the H200 (docs/performance.md): 5-6% faster than paged_prefill_wgmma on chunked
+// prefill (long keys per item), 1% slower without a past; the cp.async gathers of 4 copier warps are
+// its limit (without them the kernel runs 25-30% faster).
+#include "common.cuh"
+#include "mma.cuh"
+#include "paged.cuh"
+#include "quant.cuh"  // CacheSame<T>
+#include "softmax.cuh"
+#include "prefill_tiles.cuh"
+#include "wgmma.cuh"
+#include "prefill_wgmma_tile.cuh"
+
+// Tile shape (mirrored in cupa/kernels/prefill_wgmma.py: WS_*).
+struct WsPrefillConfig {
+  static constexpr int D = 128;
+  static constexpr int CONSUMERS = 2;                   // consumer warpgroups
+  static constexpr int ROWS = 64 * CONSUMERS;           // query rows per work item
+  static constexpr int COPIER_THREADS = 128;            // warpgroup 0: K/V gathers
+  static constexpr int SCHEDULER_THREADS = 128;         // warpgroup 1: items' rows and Q
+  static constexpr int PRODUCER_THREADS = COPIER_THREADS + SCHEDULER_THREADS;
+  static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+  static constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
+  static constexpr int KEYS = 128;                      // keys per K / V tile (the N of S)
+  static constexpr int STAGES = 2;                      // K/V ring (3 stages of 128 keys exceed shared memory)
+  static constexpr int QBUFS = 2;                       // Q buffers (item i + 1 loads while i runs)
+  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 216;  // setmaxnreg
+};
+static_assert(WsPrefillConfig::PRODUCER_REGS * WsPrefillConfig::PRODUCER_THREADS +
+                      WsPrefillConfig::CONSUMER_REGS * WsPrefillConfig::CONSUMER_THREADS <= 65536,
+              "one CTA per SM: the register file");
+
+struct WsPrefillSmem {
+  using Cfg = WsPrefillConfig;
+  static constexpr int q_bytes = Cfg::ROWS * Cfg::D * 2;   // one Q buffer (then the item's output)
+  static constexpr int tile_bytes = Cfg::KEYS * Cfg::D * 2;  // one K or V tile
+  static constexpr int stage_bytes = 2 * tile_bytes;         // K then V
+  static constexpr int align_pad = 1024;  // the dynamic region is rounded up to a 1024-byte boundary
+  static constexpr int total = Cfg::QBUFS * q_bytes + Cfg::STAGES * stage_bytes + align_pad;
+  static_assert(q_bytes % 1024 == 0 && tile_bytes % 1024 == 0, "swizzle atoms stay 1024-aligned");
+};
+
+// What the scheduler publishes about a work item (with its Q rows): the keys it covers, where they
+// come from, and per consumer warpgroup the intersection [x, y) of its rows' admitted ranges (a tile
+// inside it with every key mapped needs no per-element mask).
+struct WsItem {
+  int klo, khi, ntiles;  // key tiles klo + kt * KEYS, kt < ntiles (keys >= khi masked); ntiles < 0: no more items
+  int b, g;              // sequence, KV head
+  int from_inputs, tok_shift;  // new K/V rows read from key / value (NewKeys)
+  int2 wg[WsPrefillConfig::CONSUMERS];
+};
+
+// Named barriers (0 is __syncthreads): the consumers' turns, each consumer warpgroup's own, the scheduler's.
+constexpr int WS_BAR_TURN = 1, WS_BAR_WG = 3, WS_BAR_SCHEDULER = 5;
+
+template <typename T, typename Cache, int D>
+__global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgmma_ws(
+    const T* __restrict__ q,  // (N, H, D): prologue output, or `query` itself
+    const T* __restrict__ key, const T* __restrict__ value,  // new K/V rows to read (NewKeys), or null
+    const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
+    const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
+    const int* __restrict__ query_positions, const T* __restrict__ head_sink,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale, T* __restrict__ out,
+    int token_count, int num_heads, int kv_num_heads, int batch_size, int num_blocks, int block_size,
+    int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
+    float softcap, int window, int is_causal, int k_quant, int v_quant) {
+  // (k_scale, v_scale, k_quant, v_quant: the argument list of paged_prefill; unused, T caches only.)
+  using Cfg = WsPrefillConfig;
+  using L = WsPrefillSmem;
+  static_assert(D == Cfg::D, "head_size 128 only");
+  static_assert(!Cache::quantized && sizeof(typename Cache::storage) == 2, "T caches only (16-bit)");
+  constexpr int ROWS = Cfg::ROWS, KEYS = Cfg::KEYS, NST = Cfg::STAGES, NQ = Cfg::QBUFS;
+  constexpr int PT = Cfg::PRODUCER_THREADS, CT = Cfg::CONSUMER_THREADS;
+  constexpr int CPT = Cfg::COPIER_THREADS, ST = Cfg::SCHEDULER_THREADS;
+  constexpr int KC = KEYS / (CPT / 32);  // keys of a tile per copier warp
+  static_assert(KEYS == 128 && KC == 32 && ROWS == ST && NQ == 2, "copier lane l: key l of its warp's 32; scheduler thread i: row i");
+
+  // As paged_prefill_wgmma: without new-key inputs every CTA waits for the prologue here; with them
+  // CTA 0 does, and a copier warp before its first cache read.
+  const bool kv_new = key != nullptr;
+  if (!kv_new || blockIdx.x == 0) grid_dependency_wait();
+  if ((int)blockIdx.x < zero_ctas) {
+    prefill_zero_pass<T, Cfg::THREADS / 32>(out, cum, batch_size, token_count, num_heads, D);
+    return;
+  }
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  __shared__ int sTok[NQ][ROWS];   // per Q buffer: packed token of each row, -1: not the item's row
+  __shared__ int sHead[NQ][ROWS];  // query head of each row
+  __shared__ int sLo[NQ][ROWS], sHi[NQ][ROWS];  // admitted key range of each row (empty: zero output)
+  __shared__ int4 sLocRange[NQ][ROWS / 32];     // per 32 rows (scheduler warp): union lo, hi, intersection lo, hi
+  __shared__ WsItem sItem[NQ];
+  __shared__ unsigned sMapped[NST][KEYS / 32];  // per stage: mapped-key bit mask of its K/V tile
+  __shared__ __align__(16) int sRows[Cfg::COPIER_THREADS / 32][2][16];  // per copier warp: rows of its keys (this tile)
+  __shared__ __align__(8) unsigned long long sBar[3 * NQ + 4 * NST];
+  const unsigned q_a = smem_addr(smem), stages_a = q_a + NQ * L::q_bytes;
+  const unsigned bar_a = smem_addr(sBar);
+  // mbarriers: q_full / q_empty per Q buffer, k_full / v_full / k_empty / v_empty per stage.
+  auto q_full = [&](int i) { return bar_a + 8u * i; };
+  auto q_empty = [&](int i) { return bar_a + 8u * (NQ + i); };
+  auto info_full = [&](int i) { return bar_a + 8u * (2 * NQ + i); };  // the item's WsItem, for the copiers
+  auto k_full = [&](int s) { return bar_a + 8u * (3 * NQ + s); };
+  auto v_full = [&](int s) { return bar_a + 8u * (3 * NQ + NST + s); };
+  auto k_empty = [&](int s) { return bar_a + 8u * (3 * NQ + 2 * NST + s); };
+  auto v_empty = [&](int s) { return bar_a + 8u * (3 * NQ + 3 * NST + s); };
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (tid == 0) {
+    for (int i = 0; i < NQ; ++i) {
+      mbar_init(q_full(i), ST);
+      mbar_init(q_empty(i), CT);
+      mbar_init(info_full(i), 1);
+    }
+    for (int s = 0; s < NST; ++s) {
+      mbar_init(k_full(s), CPT);
+      mbar_init(v_full(s), CPT);
+      mbar_init(k_empty(s), CT);
+      mbar_init(v_empty(s), CT);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();  // the last CTA-wide barrier: from here on the warpgroups meet only at mbarriers
+
+  const int H = num_heads, Hk = kv_num_heads, G = H / Hk, B = batch_size;
+  const long long items = (long long)num_tiles * Hk;
+  const int first = (int)blockIdx.x - zero_ctas, step = (int)gridDim.x - zero_ctas;
+
+  if (warp < PT / 32) {
+    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+    if (warp >= CPT / 32) {
+      // ---------------------------------------------------------------- scheduler warpgroup
+      // Thread i: row i of each item.
+      const int sw = warp - CPT / 32, stid = tid - CPT;
+      const long long kv_capacity = (long long)max_blocks * block_size;
+      unsigned n = 0;  // items published
+      // Work item of round r: r * step + first, or r * step + step - 1 - first in odd rounds (a snake:
+      // items come heaviest first, so plain round robin would hand CTA 0 the heaviest item of every
+      // round; snaking evens the CTAs' sums).
+      for (long long r = 0;; ++r) {
+        const long long w = r * step + ((r & 1) ? step - 1 - first : first);
+        const bool more = w < items;
+        int g = 0;
+        RowTile rt;
+        if (more) {
+          g = (int)(w % Hk);
+          // (every scheduler warp computes the same, so the skip is uniform)
+          if (!locate_row_tile<ROWS>(cum, B, token_count, (long long)num_tiles - 1 - w / Hk, G, lane, rt)) continue;
+        }
+        const int buf = n & 1;
+        if (n >= NQ) mbar_wait(q_empty(buf), ((n >> 1) + 1) & 1);  // the consumers are done with item n - 2
+        if (!more) {  // no more items: tell the consumers and the copiers, then store item n - 1's rows
+          if (stid == 0) {
+            sItem[buf].ntiles = -1;
+            mbar_arrive(info_full(buf));
+          }
+          mbar_arrive(q_full(buf));
+          break;
+        }
+#pragma unroll
+        for (int rr = 0; rr < ROWS / ST; ++rr) {
+          int lo, hi;
+          locate_tile_row(rt, stid + rr * ST, g, G, cum, past, B, query_positions, kv_capacity, rotary_max_pos,
+                          is_causal, window, sTok[buf], sHead[buf], sLo[buf], sHi[buf], lo, hi);
+          const bool live = hi > lo;
+          const int ulo = __reduce_min_sync(0xffffffffu, live ? lo : RANGE_NONE_LO);
+          const int uhi = __reduce_max_sync(0xffffffffu, live ? hi : RANGE_NONE_HI);
+          const int ilo = __reduce_max_sync(0xffffffffu, live ? lo : RANGE_NONE_HI);
+          const int ihi = __reduce_min_sync(0xffffffffu, live ? hi : RANGE_NONE_LO);
+          if (lane == 0) sLocRange[buf][sw + rr * (ST / 32)] = make_int4(ulo, uhi, ilo, ihi);  // rows 32 sw..
+        }
+        bar_sync(WS_BAR_SCHEDULER, ST);  // every row of the item located
+        int klo = RANGE_NONE_LO, khi = RANGE_NONE_HI;
+#pragma unroll
+        for (int i = 0; i < ROWS / 32; ++i) {
+          klo = min(klo, sLocRange[buf][i].x);
+          khi = max(khi, sLocRange[buf][i].y);
+        }
+        const int ntiles = khi > klo ? (khi - klo + KEYS - 1) / KEYS : 0;
+        if (stid == 0) {
+          const NewKeys nk = new_keys(kv_new, rt, __ldg(past + rt.b), G);
+          WsItem item;
+          item.klo = klo;
+          item.khi = khi;
+          item.ntiles = ntiles;
+          item.b = rt.b;
+          item.g = g;
+          item.from_inputs = kv_new && ntiles > 0 && klo >= nk.lo && khi <= nk.hi;
+          item.tok_shift = nk.tok_shift;
+#pragma unroll
+          for (int u = 0; u < Cfg::CONSUMERS; ++u) {
+            const int4 r0 = sLocRange[buf][2 * u], r1 = sLocRange[buf][2 * u + 1];
+            item.wg[u] = make_int2(max(r0.z, r1.z), min(r0.w, r1.w));
+          }
+          sItem[buf] = item;
+          mbar_arrive(info_full(buf));  // the copiers may start on the item's keys
+        }
+        // Q rows, as they are (rows without admitted keys zero-filled); none when no key tile follows.
+        if (ntiles > 0) {
+          const unsigned dq = q_a + buf * L::q_bytes;
+#pragma unroll 4
+          for (int c = stid; c < ROWS * (D / 8); c += ST) {
+            const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+            const bool live = sHi[buf][r] > sLo[buf][r];
+            const T* src = live ? q + ((long long)sTok[buf][r] * H + sHead[buf][r]) * D + col : q;
+            cp_async_16_or_zero(dq + wg_off<ROWS>(r, col), src, live);
+          }
+        }
+        mbar_track_cp_async(q_full(buf));
+        mbar_arrive(q_full(buf));  // also publishes sTok.. sHi and sItem (release)
+        ++n;
+      }
+    } else {
+      // ------------------------------------------------------------------ copier warps
+      // Copier warp cw gathers keys 32cw..32cw+31 of each tile: lane l finds the row of key 32cw + l
+      // (one tile ahead), then each round copies 2 keys (lanes 0-15: key 2i, 16-31: key 2i + 1 of the
+      // warp's 32), chunk l % 16 each.
+      const int cw = warp;
+      bool waited = !kv_new || blockIdx.x == 0;  // past grid_dependency_wait
+      const long long row_stride_bytes = (long long)Hk * D * 2;
+      const FastDiv block_div(block_size);
+      // Key 2i + h of the warp lands at row 64cw + 2i + h, chunk c = lane % 16: byte (c / 8) KEYS 128 +
+      // row 128 + ((c % 8) ^ (row % 8)) 16 (wg_off), whose swizzle term repeats every 4 rounds.
+      const int h = lane >> 4, c = lane & 15;
+      const unsigned copy_base = (unsigned)((c >> 3) * (KEYS * 128) + (cw * KC + h) * 128);
+      unsigned swz[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) swz[i] = (unsigned)(((c & 7) ^ ((2 * i + h) & 7)) << 4);
+      unsigned it = 0;  // K/V tiles issued, over all items
+      for (unsigned n = 0;; ++n) {
+        const int buf = n & 1;
+        mbar_wait(info_full(buf), (n >> 1) & 1);
+        const int ntiles = sItem[buf].ntiles;
+        if (ntiles < 0) break;
+        const int klo = sItem[buf].klo, khi = sItem[buf].khi, b = sItem[buf].b;
+        const bool from_inputs = sItem[buf].from_inputs;
+        const int tok_shift = sItem[buf].tok_shift;
+        const long long head_bytes = (long long)sItem[buf].g * D * 2;
+        if (!waited && ntiles > 0 && !from_inputs) {  // this item reads cache rows the prologue writes
+          grid_dependency_wait();
+          waited = true;
+        }
+        const unsigned char* src_k = reinterpret_cast<const unsigned char*>(
+                                         from_inputs ? (const void*)key : (const void*)key_cache) + c * 16;
+        const unsigned char* src_v = reinterpret_cast<const unsigned char*>(
+                                         from_inputs ? (const void*)value : (const void*)value_cache) + c * 16;
+        // Row of key 32cw + lane of tile kt in key / value or the cache (-1: masked, zero-filled).
+        auto row_of = [&](int kt) -> int {
+          const int k = klo + kt * KEYS + cw * KC + lane;
+          if (kt >= ntiles || k >= khi) return -1;
+          const int index = block_div.div(k);
+          const int blk = physical_block(block_table, max_blocks, num_blocks, b, index);
+          if (blk < 0) return -1;
+          // the row: new token k + tok_shift of key / value, or the cache slot (< 2^31: a slot count)
+          return from_inputs ? new_token_row(k, tok_shift) : blk * block_size + (k - index * block_size);
+        };
+        src_k += head_bytes;
+        src_v += head_bytes;
+        // The rows of the warp's keys go through shared memory (sRows, written once per tile) rather than
+        // shuffles: a shuffle's latency before each dependent copy serialized the copier warp.
+        // Key j's row sits at sRows[cw][j % 2][j / 2], so lane (h, c) reads its 16 rows (keys 2i + h)
+        // as four 16-byte vectors.
+        int (*const rows)[KC / 2] = sRows[cw];
+        auto copy_tile = [&](unsigned dst, const unsigned char* src) {
+          dst += copy_base;
+          int r[KC / 2];
+#pragma unroll
+          for (int i = 0; i < KC / 8; ++i) *reinterpret_cast<int4*>(&r[4 * i]) = reinterpret_cast<const int4*>(rows[h])[i];
+#pragma unroll
+          for (int i = 0; i < KC / 2; ++i)
+            cp_async_16_or_zero(dst + i * 256 + swz[i & 3], src + (long long)max(r[i], 0) * row_stride_bytes, r[i] >= 0);
+        };
+        int next = row_of(0);
+        for (int kt = 0; kt < ntiles; ++kt, ++it) {
+          const int st = it % NST;
+          const unsigned parity = ((it / NST) + 1) & 1;  // of the release of this stage's previous tile
+          const int row = next;
+          next = row_of(kt + 1);  // (the next tile's block-table read, in flight during this tile's copies)
+          const unsigned mapped = __ballot_sync(0xffffffffu, row >= 0);
+          const unsigned dst = stages_a + (unsigned)st * L::stage_bytes;
+          if (it >= NST) mbar_wait(k_empty(st), parity);
+          if (lane == 0) sMapped[st][cw] = mapped;
+          __syncwarp();  // (the previous tile's reads of rows are done)
+          rows[lane & 1][lane >> 1] = row;
+          __syncwarp();
+          copy_tile(dst, src_k);
+          mbar_track_cp_async(k_full(st));
+          mbar_arrive(k_full(st));
+          if (it >= NST) mbar_wait(v_empty(st), parity);
+          copy_tile(dst + L::tile_bytes, src_v);
+          mbar_track_cp_async(v_full(st));
+          mbar_arrive(v_full(st));
+        }
+      }
+    }
+    cp_async_wait<0>();  // (the copies land before the copiers and the scheduler exit)
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+  const int cw = warp - PT / 32;  // consumer warp: rows 16cw..16cw+15 of an item
+  const int u = cw >> 2;          // consumer warpgroup: rows 64u..64u+63
+  const int r0 = lane >> 2;
+  auto my_row = [&](int i) { return cw * 16 + r0 + i * 8; };
+  const int my_turn = WS_BAR_TURN + u, other_turn = WS_BAR_TURN + (u ^ 1);
+  if (u == 1) bar_arrive(WS_BAR_TURN, CT);  // warpgroup 0 takes the first turn
+
+  const WgScores sc(scale, softcap);
+  // Descriptors (prefill_wgmma.cu's layout notes, with KEYS = 128): K-major Q and K, MN-major V.
+  const unsigned long long kv_desc0 = wg_desc_sw128(stages_a, 16, 1024);
+  const unsigned long long v_desc0 = wg_desc_sw128(stages_a + L::tile_bytes, KEYS * 128, 1024);
+  auto qk_step = [](int kk, int rows) { return (unsigned long long)(((kk >> 2) * rows * 128 + (kk & 3) * 32) >> 4); };
+  auto stage_off = [](int st) { return (unsigned long long)((st * L::stage_bytes) >> 4); };
+
+  unsigned it = 0;  // K/V tiles consumed, over all items (the copiers' count)
+  for (unsigned n = 0;; ++n) {
+    const int buf = n & 1;
+    mbar_wait(q_full(buf), (n >> 1) & 1);
+    const int ntiles = sItem[buf].ntiles;
+    if (ntiles < 0) {
+      // Warpgroup 1 arrived once more than warpgroup 0 waits at its barrier (the first turn's
+      // go-ahead): absorb that arrival, so no named barrier is left half-way at exit.
+      if (u == 0) bar_sync(my_turn, CT);
+      break;
+    }
+    const int klo = sItem[buf].klo;
+    const int2 wr = sItem[buf].wg[u];
+    fence_proxy_async_shared();  // the item's Q rows (cp.async) -> visible to wgmma
+    const unsigned long long q_desc0 = wg_desc_sw128(q_a + buf * L::q_bytes + u * 64 * 128, 16, 1024);
+    const int* lo_row = sLo[buf];
+    const int* hi_row = sHi[buf];
+
+    float o[D / 2];  // O accumulator: o[4n + e] = O[row (e/2 ? +8)][8n + 2(lane%4) + e%2]
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    float row_max[2] = {CUPA_NEG_INF, CUPA_NEG_INF}, row_sum[2] = {0.0f, 0.0f};
+    float s[KEYS / 2];         // s[4j + e] = S[row (e/2 ? +8)][8j + 2(lane%4) + e%2]
+    unsigned p[KEYS / 16][4];  // P (T) as the A fragments of the k16 steps over the tile's keys
+    unsigned mw[KEYS / 32];
+
+    auto read_mapped = [&](int st) {
+#pragma unroll
+      for (int w = 0; w < KEYS / 32; ++w) mw[w] = sMapped[st][w];
+    };
+    // S = Q K^T of tile kt (stage st): 8 k16 steps over D (the first overwrites s).
+    auto issue_s = [&](int st) {
+      const unsigned long long k_desc = kv_desc0 + stage_off(st);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_ss_m64n128k16<T>(s, q_desc0 + qk_step(kk, ROWS), k_desc + qk_step(kk, KEYS), kk > 0);
+    };
+    // O += P V of the tile in stage st: 8 k16 steps over its keys (rows 16 j2.. of V: +2048 bytes each).
+    auto issue_pv = [&](int st) {
+      const unsigned long long v_desc = v_desc0 + stage_off(st);
+#pragma unroll
+      for (int j2 = 0; j2 < KEYS / 16; ++j2)
+        wgmma_rs_m64n128k16_tb<T>(o, p[j2], v_desc + (unsigned long long)((j2 * 16 * 128) >> 4), 1);
+    };
+    // Online softmax of tile kt's scores s (masks from mw and the rows' ranges) -> p; rescales o.
+    auto softmax_tile = [&](int kt) {
+      const int kt0 = klo + kt * KEYS;
+      bool all_mapped = true;
+#pragma unroll
+      for (int w = 0; w < KEYS / 32; ++w) all_mapped = all_mapped && mw[w] == 0xffffffffu;
+      const bool interior = all_mapped && kt0 >= wr.x && kt0 + KEYS <= wr.y;
+      wg_softmax_tile<T, KEYS, D>(s, o, p, row_max, row_sum, mw, interior, kt0, lo_row, hi_row, my_row(0), lane, sc);
+    };
+    // Before a turn's products: every register they read or write is final (PTX: no access between
+    // wgmma.fence and the wgmma that uses the register), and the compiler moves nothing across.
+    auto fence_operands = [&] {
+      wg_fence_operands(o);
+      wg_fence_operands(s);
+#pragma unroll
+      for (int j2 = 0; j2 < KEYS / 16; ++j2) wg_fence_operands(p[j2]);
+      wgmma_fence();
+    };
+
+    // Every turn issues its products unconditionally (a wgmma under a branch the compiler cannot prove
+    // uniform is serialized: ptxas C7520); a tile none of the warpgroup's rows admits is masked out
+    // entirely by softmax_tile (its row ranges exclude every key), which costs its products only.
+    if (ntiles > 0) {
+      // Turn 0: S of tile 0.
+      {
+        const int st = it % NST;
+        mbar_wait(k_full(st), (it / NST) & 1);
+        fence_proxy_async_shared();
+        read_mapped(st);
+        bar_sync(my_turn, CT);
+        fence_operands();
+        issue_s(st);
+        wgmma_commit();
+        bar_arrive(other_turn, CT);
+        wgmma_wait<0>();
+        wg_fence_operands(s);
+        mbar_arrive(k_empty(st));
+        softmax_tile(0);
+      }
+      // Turns 1 .. ntiles - 1: P V of tile kt with S of tile kt + 1.
+      for (int kt = 0; kt + 1 < ntiles; ++kt) {
+        const unsigned iv = it + kt, ik = iv + 1;
+        const int sv = iv % NST, sk = ik % NST;
+        mbar_wait(v_full(sv), (iv / NST) & 1);
+        mbar_wait(k_full(sk), (ik / NST) & 1);
+        read_mapped(sk);
+        fence_proxy_async_shared();
+        bar_sync(my_turn, CT);
+        fence_operands();
+        issue_pv(sv);
+        issue_s(sk);
+        wgmma_commit();
+        bar_arrive(other_turn, CT);
+        wgmma_wait<0>();
+        wg_fence_operands(o);
+        wg_fence_operands(s);
+        mbar_arrive(v_empty(sv));
+        mbar_arrive(k_empty(sk));
+        softmax_tile(kt + 1);
+      }
+      // Last turn: P V of the last tile.
+      {
+        const unsigned iv = it + ntiles - 1;
+        const int sv = iv % NST;
+        mbar_wait(v_full(sv), (iv / NST) & 1);
+        fence_proxy_async_shared();
+        bar_sync(my_turn, CT);
+        fence_operands();
+        issue_pv(sv);
+        wgmma_commit();
+        bar_arrive(other_turn, CT);
+        wgmma_wait<0>();
+        wg_fence_operands(o);
+        mbar_arrive(v_empty(sv));
+      }
+      it += ntiles;
+    }
+
+    // Epilogue: finalize this warp's rows into its own rows of the item's Q buffer (as T), then store
+    // whole rows. The warpgroup barrier: every wgmma of the warpgroup (reading these rows) is complete.
+    bar_sync(WS_BAR_WG + u, 128);
+    wg_store_rows<T, ROWS, D>(o, row_max, row_sum, cw * 16, lane, smem + buf * L::q_bytes, lo_row, hi_row, sHead[buf],
+                              sTok[buf], head_sink, out, H);
+    mbar_arrive(q_empty(buf));  // the item's buffer and row data go back to the scheduler
+  }
+}
