@@ -6,16 +6,16 @@
 // head g; numbered heaviest first as the one-CTA-per-item kernels number their CTAs), round r taking
 // item r * CTAs + c, or r * CTAs + CTAs - 1 - c in odd rounds (a snake, so that every CTA's items add
 // up to about the same work), with four warpgroups:
-//   copier (warps 0-3, 40 registers after setmaxnreg): gathers each item's K and V tiles of KEYS =
+//   copier (warps 0-3, 64 registers after setmaxnreg): gathers each item's K and V tiles of KEYS =
 //     128 keys row by row through the block table (any block_size) into a 2-stage ring, in the
 //     128B-swizzled layout wgmma reads: warp w handles keys 32w..32w+31, lane l finds the row of key
 //     32w + l one tile ahead (its block-table read in flight during the current copies) and puts it
 //     in shared memory; each round the warp copies 2 keys x 16 chunks of 16 bytes (cp.async).
-//   scheduler (warps 4-7, 40 registers): for each item, finds its sequence and the admitted key range
+//   scheduler (warps 4-7, 64 registers): for each item, finds its sequence and the admitted key range
 //     of each of its 128 rows (thread r: row r), publishes them (WsItem for the copiers; the row data
 //     and the Q rows, cp.async into one of two Q buffers, for the consumers) as soon as the consumers
 //     give the buffer back, so the next item is ready before the current one ends.
-//   two consumers (warps 8-11 and 12-15, 216 registers): warpgroup u owns rows 64u..64u+63 of the
+//   two consumers (warps 8-11 and 12-15, 192 registers): warpgroup u owns rows 64u..64u+63 of the
 //     item. Per key tile: S = Q K^T on wgmma.m64n128k16 (Q and K from shared memory), online
 //     softmax in registers, O += P V on wgmma.m64n128k16 (P from registers, V MN-major). Tile kt's
 //     P V and tile kt+1's S are issued as one batch ("turn"), and the two warpgroups take turns in
@@ -27,9 +27,9 @@
 // consumers run fence.proxy.async after each wait, before wgmma reads the data (async proxy); a
 // consumer releases a stage after wgmma.wait_group, whose completion orders its reads before the
 // copier's next writes (wgmma.cuh). Every wgmma is issued unconditionally (see the consumer loop).
-// Measured on the H200 (docs/performance.md): 5-6% faster than paged_prefill_wgmma on chunked
-// prefill (long keys per item), 1% slower without a past; the cp.async gathers of 4 copier warps are
-// its limit (without them the kernel runs 25-30% faster).
+// Measured on the H200 (docs/performance.md): 2% faster than paged_prefill_wgmma without a past
+// (B=4 x 2048), 10% faster on chunked prefill (long keys per item); the cp.async gathers of the 4
+// copier warps are what limits it.
 #include "common.cuh"
 #include "mma.cuh"
 #include "paged.cuh"
@@ -52,7 +52,9 @@ struct WsPrefillConfig {
   static constexpr int KEYS = 128;                      // keys per K / V tile (the N of S)
   static constexpr int STAGES = 2;                      // K/V ring (3 stages of 128 keys exceed shared memory)
   static constexpr int QBUFS = 2;                       // Q buffers (item i + 1 loads while i runs)
-  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 216;  // setmaxnreg
+  // setmaxnreg: 64 leave the copier and scheduler without spills; the consumers fit 192 without spills
+  // (measured: 40 / 216 spilled the copier's loop, 3-4% slower).
+  static constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 192;
 };
 static_assert(WsPrefillConfig::PRODUCER_REGS * WsPrefillConfig::PRODUCER_THREADS +
                       WsPrefillConfig::CONSUMER_REGS * WsPrefillConfig::CONSUMER_THREADS <= 65536,

@@ -1,16 +1,16 @@
 """The Hopper wgmma prefill backend (sm_90a): the prefill of choice on compute capability 9.0.
 
 Same contract, prologue and zero pass as the mma.sync prefill backend (:mod:`cupa.kernels.prefill`),
-with one of two attention kernels, chosen from static sizes (:func:`ws_preferred`):
+with one of two attention kernels (:func:`ws_preferred`):
 
-- ``paged_prefill_wgmma`` (cuda_src/prefill_wgmma.cu): the mma.sync prefill's launch layout, one CTA =
+- ``paged_prefill_wgmma`` (cuda_src/prefill_wgmma.cu; ``CUPA_PREFILL_WGMMA_WS=0``): the mma.sync prefill's launch layout, one CTA =
   2 warpgroups x 64 query rows of one sequence and one KV head, S = Q K^T on ``wgmma.m64n64k16`` and
   O += P V on ``wgmma.m64n128k16`` with P in registers, K/V rows gathered through the block table with
   cp.async into the 128B-swizzled layout wgmma reads, by every thread, one CTA barrier per key tile;
 - ``paged_prefill_wgmma_ws`` (cuda_src/prefill_wgmma_ws.cu): persistent, one CTA per SM looping over
   the same work items, warp-specialized (a copier warpgroup gathering K/V, a scheduler warpgroup
   locating rows and loading Q, two consumer warpgroups taking turns on the tensor cores; mbarriers,
-  setmaxnreg), 128-key tiles on ``wgmma.m64n128k16``: the faster one when sequences have long pasts.
+  setmaxnreg), 128-key tiles on ``wgmma.m64n128k16``: the default, faster with or without a past.
 
 It serves a call only when all of these hold, and otherwise says why in explain() (the call then
 goes to the mma.sync prefill backend as before):
@@ -44,11 +44,8 @@ WGMMA_HEAD_SIZES = (128,)
 #: mirrors WgmmaPrefillConfig in prefill_wgmma.cu
 ROWS, THREADS, KEYS, STAGES = 128, 256, 64, 2
 CAPABILITY = (9, 0)
-#: The warp-specialized persistent kernel (prefill_wgmma_ws.cu): "1" always, "0" never (paged_prefill_wgmma),
-#: unset: :func:`ws_preferred`'s static rule.
+#: The warp-specialized persistent kernel (prefill_wgmma_ws.cu), the default; "0" selects paged_prefill_wgmma.
 WS_ENV_VAR = "CUPA_PREFILL_WGMMA_WS"
-#: ws_preferred: the kernel is chosen when a sequence may have this many times more keys than new tokens.
-WS_MIN_KV_PER_QUERY = 2
 #: mirrors WsPrefillConfig / WsPrefillSmem in prefill_wgmma_ws.cu
 WS_ROWS, WS_THREADS, WS_KEYS, WS_STAGES, WS_QBUFS = 128, 512, 128, 2, 2
 
@@ -58,21 +55,17 @@ def enabled() -> bool:
 
 
 def ws_preferred(problem: Problem) -> bool:
-    """Whether a call goes to the warp-specialized kernel (read when a problem's launches are built).
+    """Whether a call goes to the warp-specialized kernel (read when a problem's launches are built):
+    yes unless ``CUPA_PREFILL_WGMMA_WS=0`` ("1" or unset: yes; anything else is an error).
 
-    Measured on the H200 (docs/performance.md): 5-6% faster than paged_prefill_wgmma on chunked prefill
-    (B=8 x 512 new tokens over 8192 cached: 1169 against 1230-1239 us), 1% slower without a past (B=4 x
-    2048: 379 against 375 us), where its copier warps' cp.async gathers are the limit. So the static
-    rule: the launch bounds (attention_metadata's, else the static sizes) allow a sequence at least
-    :data:`WS_MIN_KV_PER_QUERY` times more keys than new tokens. ``CUPA_PREFILL_WGMMA_WS`` overrides it.
+    Measured on the H200 (docs/performance.md), whole calls: B=4 x 2048 without a past 368.7 us against
+    375-377 for paged_prefill_wgmma; chunked prefill (B=8 x 512 new tokens over 8192 cached) 1117 us
+    against 1230-1242.
     """
     env = os.environ.get(WS_ENV_VAR, "")
-    if env in ("0", "1"):
-        return env == "1"
-    if env:
-        raise fail(WS_ENV_VAR, repr(env), "'0' (never), '1' (always) or unset (the static rule)")
-    p = problem
-    return p.max_kv_len_bound >= WS_MIN_KV_PER_QUERY * p.max_query_len_bound
+    if env not in ("", "0", "1"):
+        raise fail(WS_ENV_VAR, repr(env), "'0' (paged_prefill_wgmma), '1' or unset (the warp-specialized kernel)")
+    return env != "0"
 
 
 #: Caps the persistent kernel's CTAs (default: one per SM): a test knob that puts many work items on each CTA.
@@ -205,9 +198,8 @@ class PrefillWgmmaBackend(PrefillBackend):
         if ws_preferred(problem):
             plan = ws_launch_plan(problem, ws_ctas())
             return (f"paged prefill on Hopper warpgroup MMA, warp-specialized (wgmma m64n128k16, sm_90a; off with "
-                    f"{ENV_VAR}=0): the warp-specialized kernel (max_kv_len_bound {problem.max_kv_len_bound} >= "
-                    f"{WS_MIN_KV_PER_QUERY} x max_query_len_bound {problem.max_query_len_bound}; {WS_ENV_VAR}=0/1 "
-                    f"overrides): {plan['persistent']} persistent CTAs of a copier warpgroup (block-table gathers "
+                    f"{ENV_VAR}=0): the warp-specialized kernel ({WS_ENV_VAR}=0: the other one): "
+                    f"{plan['persistent']} persistent CTAs of a copier warpgroup (block-table gathers "
                     f"with cp.async), a scheduler warpgroup and 2 consumer warpgroups taking turns (mbarriers, "
                     f"setmaxnreg), over {plan['num_tiles']} row tiles of {plan['rows']} (token, group "
                     f"head) rows x {problem.kv_num_heads} KV heads, + {plan['zero_ctas']} zero-pass CTA(s); keys in "
