@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         }
         const int buf = n & 1;
         if (n >= NQ) mbar_wait(q_empty(buf), ((n >> 1) + 1) & 1);  // the consumers are done with item n - 2
-        if (!more) {  // no more items: tell the consumers and the copiers, then store item n - 1's rows
+        if (!more) {  // no more items: tell the consumers and the copiers
           if (stid == 0) {
             sItem[buf].ntiles = -1;
             mbar_arrive(info_full(buf));
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       bool waited = !kv_new || blockIdx.x == 0;  // past grid_dependency_wait
       const long long row_stride_bytes = (long long)Hk * D * 2;
       const FastDiv block_div(block_size);
-      // Key 2i + h of the warp lands at row 64cw + 2i + h, chunk c = lane % 16: byte (c / 8) KEYS 128 +
+      // Key 2i + h of the warp lands at row 32cw + 2i + h, chunk c = lane % 16: byte (c / 8) KEYS 128 +
       // row 128 + ((c % 8) ^ (row % 8)) 16 (wg_off), whose swizzle term repeats every 4 rounds.
       const int h = lane >> 4, c = lane & 15;
       const unsigned copy_base = (unsigned)((c >> 3) * (KEYS * 128) + (cw * KC + h) * 128);
