@@ -6,11 +6,14 @@
 // head g; numbered heaviest first as the one-CTA-per-item kernels number their CTAs), round r taking
 // item r * CTAs + c, or r * CTAs + CTAs - 1 - c in odd rounds (a snake, so that every CTA's items add
 // up to about the same work), with four warpgroups:
-//   copier (warps 0-3, 64 registers after setmaxnreg): gathers each item's K and V tiles of KEYS =
+//   copier (warps 0-3, 64 registers after setmaxnreg): fills each item's K and V tiles of KEYS =
 //     128 keys row by row through the block table (any block_size) into a 2-stage ring, in the
 //     128B-swizzled layout wgmma reads: warp w handles keys 32w..32w+31, lane l finds the row of key
 //     32w + l one tile ahead (its block-table read in flight during the current copies) and puts it
-//     in shared memory; each round the warp copies 2 keys x 16 chunks of 16 bytes (cp.async).
+//     in shared memory; then lane 0 issues TMA boxes of consecutive rows (tma_box cache rows of one
+//     block, or 32 new rows of key / value; tensor maps from the host, 128B swizzle), or, where a box
+//     would mix masked and unmasked keys or TMA does not apply, each round the warp copies 2 keys x 16
+//     chunks of 16 bytes (cp.async).
 //   scheduler (warps 4-7, 64 registers): for each item, finds its sequence and the admitted key range
 //     of each of its 128 rows (thread r: row r), publishes them (WsItem for the copiers; the row data
 //     and the Q rows, cp.async into one of two Q buffers, for the consumers) as soon as the consumers
@@ -23,13 +26,13 @@
 //     while the other's products keep the tensor cores busy. The epilogue writes each warp's 16 rows
 //     through its own rows of the item's Q buffer, then gives the buffer back to the scheduler.
 // Full / empty mbarriers per Q buffer and per stage (K and V apart) replace the per-tile CTA barrier.
-// Ordering: cp.async writes are tracked by the full barriers (cp.async.mbarrier.arrive) and the
-// consumers run fence.proxy.async after each wait, before wgmma reads the data (async proxy); a
+// Ordering: TMA writes complete the full barriers' tx bytes (expect_tx by the issuing lane first),
+// cp.async writes are tracked by them (cp.async.mbarrier.arrive), and the consumers run
+// fence.proxy.async after each wait, before wgmma reads the data (async proxy); a
 // consumer releases a stage after wgmma.wait_group, whose completion orders its reads before the
 // copier's next writes (wgmma.cuh). Every wgmma is issued unconditionally (see the consumer loop).
-// Measured on the H200 (docs/performance.md): 2% faster than paged_prefill_wgmma without a past
-// (B=4 x 2048), 10% faster on chunked prefill (long keys per item); the cp.async gathers of the 4
-// copier warps are what limits it.
+// Measured on the H200 (docs/performance.md): with the TMA feed 339 us without a past (B=4 x 2048,
+// 406 TFLOP/s; 368 with cp.async only) and 1008 us on chunked prefill (B=8 x 512 over 8192, 562).
 #include "common.cuh"
 #include "mma.cuh"
 #include "paged.cuh"
@@ -75,6 +78,7 @@ struct WsPrefillSmem {
 // inside it with every key mapped needs no per-element mask).
 struct WsItem {
   int klo, khi, ntiles;  // key tiles klo + kt * KEYS, kt < ntiles (keys >= khi masked); ntiles < 0: no more items
+  int kmin;              // keys < kmin masked (klo: kmin rounded down to a whole TMA box of cache rows)
   int b, g;              // sequence, KV head
   int from_inputs, tok_shift;  // new K/V rows read from key / value (NewKeys)
   int2 wg[WsPrefillConfig::CONSUMERS];
@@ -93,7 +97,12 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, T* __restrict__ out,
     int token_count, int num_heads, int kv_num_heads, int batch_size, int num_blocks, int block_size,
     int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
-    float softcap, int window, int is_causal, int k_quant, int v_quant) {
+    float softcap, int window, int is_causal, int k_quant, int v_quant,
+    // TMA: tensor maps of key_cache / value_cache as (D, Hk, slots) and of key / value as (D, Hk, tokens),
+    // boxes of 64 x 1 x tma_box rows (cache) or 64 x 1 x 32 (inputs), 128B swizzle; tma_box 0: cache rows
+    // by cp.async only; tma_inputs 0: key / value rows by cp.async only.
+    const __grid_constant__ TmaMap tm_kc, const __grid_constant__ TmaMap tm_vc, const __grid_constant__ TmaMap tm_k,
+    const __grid_constant__ TmaMap tm_v, int tma_box, int tma_inputs) {
   // (k_scale, v_scale, k_quant, v_quant: the argument list of paged_prefill; unused, T caches only.)
   using Cfg = WsPrefillConfig;
   using L = WsPrefillSmem;
@@ -206,16 +215,19 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
           klo = min(klo, sLocRange[buf][i].x);
           khi = max(khi, sLocRange[buf][i].y);
         }
-        const int ntiles = khi > klo ? (khi - klo + KEYS - 1) / KEYS : 0;
+        const bool any_keys = khi > klo;
         if (stid == 0) {
           const NewKeys nk = new_keys(kv_new, rt, __ldg(past + rt.b), G);
           WsItem item;
-          item.klo = klo;
+          item.from_inputs = kv_new && any_keys && klo >= nk.lo && khi <= nk.hi;
+          // Cache rows by TMA: tiles start on a box boundary, so each box of tma_box keys lies in one block.
+          const int origin = any_keys && !item.from_inputs && tma_box > 0 ? klo - klo % tma_box : klo;
+          item.klo = origin;
+          item.kmin = klo;
           item.khi = khi;
-          item.ntiles = ntiles;
+          item.ntiles = any_keys ? (khi - origin + KEYS - 1) / KEYS : 0;
           item.b = rt.b;
           item.g = g;
-          item.from_inputs = kv_new && ntiles > 0 && klo >= nk.lo && khi <= nk.hi;
           item.tok_shift = nk.tok_shift;
 #pragma unroll
           for (int u = 0; u < Cfg::CONSUMERS; ++u) {
@@ -226,7 +238,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
           mbar_arrive(info_full(buf));  // the copiers may start on the item's keys
         }
         // Q rows, as they are (rows without admitted keys zero-filled); none when no key tile follows.
-        if (ntiles > 0) {
+        if (any_keys) {
           const unsigned dq = q_a + buf * L::q_bytes;
 #pragma unroll 4
           for (int c = stid; c < ROWS * (D / 8); c += ST) {
@@ -242,13 +254,26 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       }
     } else {
       // ------------------------------------------------------------------ copier warps
-      // Copier warp cw gathers keys 32cw..32cw+31 of each tile: lane l finds the row of key 32cw + l
-      // (one tile ahead), then each round copies 2 keys (lanes 0-15: key 2i, 16-31: key 2i + 1 of the
-      // warp's 32), chunk l % 16 each.
+      // Copier warp cw fills keys 32cw..32cw+31 of each tile; lane l finds the row of key 32cw + l (one
+      // tile ahead). Where each box of `box` consecutive keys (tma_box of a block, or all 32 new
+      // tokens) is either wholly mapped -- consecutive rows -- or wholly masked, the warp's rows come
+      // by TMA: lane i < 2 * 32 / box loads half i % 2 (64 columns) of box i / 2, a masked box from a
+      // row past the tensor (zeros). Otherwise (a box straddling kmin or khi, block sizes TMA does not
+      // tile, TMA off) each round copies 2 keys (lanes 0-15: key 2i, 16-31: key 2i + 1 of the warp's
+      // 32), chunk l % 16 each, by cp.async (masked keys zero-filled).
       const int cw = warp;
-      bool waited = !kv_new || blockIdx.x == 0;  // past grid_dependency_wait
       const long long row_stride_bytes = (long long)Hk * D * 2;
       const FastDiv block_div(block_size);
+      if (lane == 0 && cw == 0) {
+        if (tma_box > 0) {
+          tma_prefetch_map(&tm_kc);
+          tma_prefetch_map(&tm_vc);
+        }
+        if (tma_inputs) {
+          tma_prefetch_map(&tm_k);
+          tma_prefetch_map(&tm_v);
+        }
+      }
       // Key 2i + h of the warp lands at row 32cw + 2i + h, chunk c = lane % 16: byte (c / 8) KEYS 128 +
       // row 128 + ((c % 8) ^ (row % 8)) 16 (wg_off), whose swizzle term repeats every 4 rounds.
       const int h = lane >> 4, c = lane & 15;
@@ -262,64 +287,110 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         mbar_wait(info_full(buf), (n >> 1) & 1);
         const int ntiles = sItem[buf].ntiles;
         if (ntiles < 0) break;
-        const int klo = sItem[buf].klo, khi = sItem[buf].khi, b = sItem[buf].b;
-        const bool from_inputs = sItem[buf].from_inputs;
-        const int tok_shift = sItem[buf].tok_shift;
-        const long long head_bytes = (long long)sItem[buf].g * D * 2;
-        if (!waited && ntiles > 0 && !from_inputs) {  // this item reads cache rows the prologue writes
-          grid_dependency_wait();
-          waited = true;
-        }
-        const unsigned char* src_k = reinterpret_cast<const unsigned char*>(
-                                         from_inputs ? (const void*)key : (const void*)key_cache) + c * 16;
-        const unsigned char* src_v = reinterpret_cast<const unsigned char*>(
-                                         from_inputs ? (const void*)value : (const void*)value_cache) + c * 16;
-        // Row of key 32cw + lane of tile kt in key / value or the cache (-1: masked, zero-filled).
-        auto row_of = [&](int kt) -> int {
-          const int k = klo + kt * KEYS + cw * KC + lane;
-          if (kt >= ntiles || k >= khi) return -1;
-          const int index = block_div.div(k);
-          const int blk = physical_block(block_table, max_blocks, num_blocks, b, index);
-          if (blk < 0) return -1;
-          // the row: new token k + tok_shift of key / value, or the cache slot (< 2^31: a slot count)
-          return from_inputs ? new_token_row(k, tok_shift) : blk * block_size + (k - index * block_size);
-        };
-        src_k += head_bytes;
-        src_v += head_bytes;
-        // The rows of the warp's keys go through shared memory (sRows, written once per tile) rather than
-        // shuffles: a shuffle's latency before each dependent copy serialized the copier warp.
-        // Key j's row sits at sRows[cw][j % 2][j / 2], so lane (h, c) reads its 16 rows (keys 2i + h)
-        // as four 16-byte vectors.
-        int (*const rows)[KC / 2] = sRows[cw];
-        auto copy_tile = [&](unsigned dst, const unsigned char* src) {
-          dst += copy_base;
-          int r[KC / 2];
+        const WsItem& item = sItem[buf];
+        // An item reading cache rows the prologue writes waits for it (at once when it has completed: no
+        // register holds whether this warp waited before).
+        if (kv_new && ntiles > 0 && !item.from_inputs) grid_dependency_wait();
+        // The item's tiles, inlined twice: for items that may use TMA (tma_item) every field is read from
+        // sItem where used (f = s = item: the TMA branch leaves none of the copier's 64 registers for them;
+        // the memory clobbers of the barrier waits make each use a shared-memory read); for items gathered
+        // by cp.async only, f is a copy in registers (klo, khi, b, from_inputs; kmin == klo there) and s
+        // (g, tok_shift) is read from sItem -- as many registers as the loop has without spills.
+        auto tiles = [&](const WsItem& f, const WsItem& s, const bool tma_item) {
+          // Row of key 32cw + lane of tile kt in key / value or the cache (-1: masked, zero-filled).
+          auto row_of = [&](int kt) -> int {
+            const int k = f.klo + kt * KEYS + cw * KC + lane;
+            // (kmin == klo unless tiles start on a TMA box boundary, below kmin)
+            if (kt >= ntiles || k >= f.khi || (tma_item && k < f.kmin)) return -1;
+            const int index = block_div.div(k);
+            const int blk = physical_block(block_table, max_blocks, num_blocks, f.b, index);
+            if (blk < 0) return -1;
+            // the row: new token k + tok_shift of key / value, or the cache slot (< 2^31: a slot count)
+            return f.from_inputs ? new_token_row(k, s.tok_shift) : blk * block_size + (k - index * block_size);
+          };
+          // Source of chunk c of the rows: key / value or the cache, at KV head g.
+          auto source = [&](bool v) {
+            const void* base = f.from_inputs ? (v ? (const void*)value : (const void*)key)
+                                             : (v ? (const void*)value_cache : (const void*)key_cache);
+            return reinterpret_cast<const unsigned char*>(base) + (long long)s.g * D * 2 + c * 16;
+          };
+          // The rows of the warp's keys go through shared memory (sRows, written once per tile) rather than
+          // shuffles: a shuffle's latency before each dependent copy serialized the copier warp.
+          // Key j's row sits at sRows[cw][j % 2][j / 2], so lane (h, c) reads its 16 rows (keys 2i + h)
+          // as four 16-byte vectors.
+          int (*const rows)[KC / 2] = sRows[cw];
+          auto copy_tile = [&](unsigned dst, const unsigned char* src) {
+            dst += copy_base;
+            int r[KC / 2];
 #pragma unroll
-          for (int i = 0; i < KC / 8; ++i) *reinterpret_cast<int4*>(&r[4 * i]) = reinterpret_cast<const int4*>(rows[h])[i];
+            for (int i = 0; i < KC / 8; ++i) *reinterpret_cast<int4*>(&r[4 * i]) = reinterpret_cast<const int4*>(rows[h])[i];
 #pragma unroll
-          for (int i = 0; i < KC / 2; ++i)
-            cp_async_16_or_zero(dst + i * 256 + swz[i & 3], src + (long long)max(r[i], 0) * row_stride_bytes, r[i] >= 0);
+            for (int i = 0; i < KC / 2; ++i)
+              cp_async_16_or_zero(dst + i * 256 + swz[i & 3], src + (long long)max(r[i], 0) * row_stride_bytes, r[i] >= 0);
+          };
+          int next = row_of(0);
+          for (int kt = 0; kt < ntiles; ++kt, ++it) {
+            const int st = it % NST;
+            const unsigned parity = ((it / NST) + 1) & 1;  // of the release of this stage's previous tile
+            const int row = next;
+            next = row_of(kt + 1);  // (the next tile's block-table read, in flight during this tile's copies)
+            const unsigned mapped = __ballot_sync(0xffffffffu, row >= 0);
+            // TMA: rows per box, where every box of the warp's keys is wholly mapped or wholly masked.
+            int box = 0;
+            if (tma_item) {
+              box = f.from_inputs ? KC : tma_box;
+              const unsigned box_mask = box >= 32 ? 0xffffffffu : (1u << box) - 1u;
+              for (int j = 0; box > 0 && j < KC; j += box) {
+                const unsigned m = (mapped >> j) & box_mask;
+                if (m != 0u && m != box_mask) box = 0;
+              }
+            }
+            const unsigned dst = stages_a + (unsigned)st * L::stage_bytes;
+            // Lane 0 issues the warp's boxes (rows of their first keys from sRows; a masked box: zeros
+            // from a row past the tensor, slots < 2^31 where tma_box > 0).
+            auto load_boxes = [&](unsigned tile, bool v, unsigned bar) {
+              const TmaMap* map = f.from_inputs ? (v ? &tm_v : &tm_k) : (v ? &tm_vc : &tm_kc);
+              const int past_end = f.from_inputs ? token_count : num_blocks * block_size;
+              const int g = s.g;
+              mbar_expect_tx(bar, KC * D * 2);
+              for (int j = 0; j < KC; j += box) {
+                const int first = rows[0][j >> 1];
+                const unsigned to = tile + (unsigned)(cw * KC + j) * 128u;
+                tma_load_3d(to, map, 0, g, first >= 0 ? first : past_end, bar);
+                tma_load_3d(to + KEYS * 128, map, 64, g, first >= 0 ? first : past_end, bar);
+              }
+            };
+            if (it >= NST) mbar_wait(k_empty(st), parity);
+            if (lane == 0) sMapped[st][cw] = mapped;
+            __syncwarp();  // (the previous tile's reads of rows are done)
+            rows[lane & 1][lane >> 1] = row;
+            __syncwarp();
+            if (box > 0) {
+              if (lane == 0) load_boxes(dst, false, k_full(st));
+            } else {
+              copy_tile(dst, source(false));
+              mbar_track_cp_async(k_full(st));
+            }
+            mbar_arrive(k_full(st));
+            if (it >= NST) mbar_wait(v_empty(st), parity);
+            if (box > 0) {
+              if (lane == 0) load_boxes(dst + L::tile_bytes, true, v_full(st));
+            } else {
+              copy_tile(dst + L::tile_bytes, source(true));
+              mbar_track_cp_async(v_full(st));
+            }
+            mbar_arrive(v_full(st));
+          }
         };
-        int next = row_of(0);
-        for (int kt = 0; kt < ntiles; ++kt, ++it) {
-          const int st = it % NST;
-          const unsigned parity = ((it / NST) + 1) & 1;  // of the release of this stage's previous tile
-          const int row = next;
-          next = row_of(kt + 1);  // (the next tile's block-table read, in flight during this tile's copies)
-          const unsigned mapped = __ballot_sync(0xffffffffu, row >= 0);
-          const unsigned dst = stages_a + (unsigned)st * L::stage_bytes;
-          if (it >= NST) mbar_wait(k_empty(st), parity);
-          if (lane == 0) sMapped[st][cw] = mapped;
-          __syncwarp();  // (the previous tile's reads of rows are done)
-          rows[lane & 1][lane >> 1] = row;
-          __syncwarp();
-          copy_tile(dst, src_k);
-          mbar_track_cp_async(k_full(st));
-          mbar_arrive(k_full(st));
-          if (it >= NST) mbar_wait(v_empty(st), parity);
-          copy_tile(dst + L::tile_bytes, src_v);
-          mbar_track_cp_async(v_full(st));
-          mbar_arrive(v_full(st));
+        if (item.from_inputs ? tma_inputs : tma_box > 0) {
+          tiles(item, item, true);
+        } else {
+          WsItem fields;
+          fields.klo = fields.kmin = item.klo;
+          fields.khi = item.khi;
+          fields.b = item.b;
+          fields.from_inputs = item.from_inputs;
+          tiles(fields, item, false);
         }
       }
     }

@@ -175,3 +175,24 @@ CUPA_DEVICE void bar_arrive(int id, int threads) { asm volatile("bar.arrive %0, 
 // Register reallocation between warpgroups (every warp of a warpgroup executes the same one).
 template <int N> CUPA_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N> CUPA_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+// ---- the bulk tensor copy engine (TMA) ---------------------------------------------------------
+// A tensor map (CUtensorMap: 128 opaque bytes, encoded on the host by cuTensorMapEncodeTiled), passed
+// by value as a `const __grid_constant__` kernel parameter and named by its address.
+struct __align__(64) TmaMap {
+  unsigned long long bytes[16];
+};
+// The tx bytes the current phase of `bar` also waits for (the copies that complete on it).
+CUPA_DEVICE void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Box (c0, c1, c2) of a rank-3 tensor map into shared memory at `dst`, completing `bar`'s tx bytes
+// (elements outside the tensor land as zeros).
+CUPA_DEVICE void tma_load_3d(unsigned dst, const TmaMap* map, int c0, int c1, int c2, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+CUPA_DEVICE void tma_prefetch_map(const TmaMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+}

@@ -268,8 +268,11 @@ def _run(pb: Problem, inputs: dict, out):
         blk = bt[gb][:, pos // bs]                                    # (U, Kc)
         mapped = (blk >= 0) & (blk < NB)
         kslot = np.where(mapped, blk, 0) * bs + pos % bs
-        Kg = dequant(k_flat[kslot], ks64)                             # (U, Kc, Hk, D)
-        Vg = Kg[..., :Dv] if latent else dequant(v_flat[kslot], vs64)
+        # Keys no row of u may see (unmapped blocks, positions past its sequence's keys) are zeroed, so
+        # whatever those slots hold (NaN, Inf) is multiplied by their zero probabilities harmlessly.
+        seen = (mapped & (pos < kv_len[gb][:, None]))[..., None, None]  # (U, Kc, 1, 1)
+        Kg = np.where(seen, dequant(k_flat[kslot], ks64), 0.0)        # (U, Kc, Hk, D)
+        Vg = Kg[..., :Dv] if latent else np.where(seen, dequant(v_flat[kslot], vs64), 0.0)
         pi, ji = p[grid], j[grid]                                     # (U, M)
         mask = mapped[:, None, :] & (pos < kv_len[gb][:, None, None])  # (U, M, Kc)
         if causal:

@@ -97,6 +97,23 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
     return inputs, attrs
 
 
+def poison_unused_cache_rows(inputs, block_size):
+    """NaN in every cache row no sequence reads (positions past each sequence's keys, unmapped and spare
+    blocks): rows a kernel loads but masks must not reach the output (0 * NaN)."""
+    cum, past, bt = inputs["cumulative_sequence_length"], inputs["past_seqlens"], inputs["block_table"]
+    num_blocks = inputs["key_cache"].shape[0]
+    unused = np.ones(num_blocks * block_size, dtype=bool)
+    for b in range(len(past)):
+        for pos in range(int(past[b]) + int(cum[b + 1] - cum[b])):
+            blk = int(bt[b, pos // block_size])
+            if 0 <= blk < num_blocks:
+                unused[blk * block_size + pos % block_size] = False
+    for name in ("key_cache", "value_cache"):
+        rows = inputs[name].reshape(num_blocks * block_size, -1)
+        rows[unused] = np.nan
+    return int(unused.sum())
+
+
 def derived_slots(inputs, block_size):
     """The slots the derived rule would write (for building explicit slot_mapping tests)."""
     cum, past, bt = inputs["cumulative_sequence_length"], inputs["past_seqlens"], inputs["block_table"]

@@ -47,7 +47,9 @@ def kernel_signatures() -> dict:
             sizes = []
             for param in m.group(2).split(","):
                 param = " ".join(param.split())
-                if "*" in param:
+                if re.match(r"const __grid_constant__ TmaMap\b", param):
+                    sizes.append(launch.TENSOR_MAP_BYTES)  # a tensor map, by value
+                elif "*" in param:
                     sizes.append(8)
                 elif re.match(r"(const )?(long long|int64_t|uint64_t|size_t|double|unsigned long long)\b", param):
                     sizes.append(8)
@@ -151,6 +153,10 @@ class FakeCupy:
             def __init__(self, ptr):
                 self.ptr = ptr
 
+        class CPointer:  # cupy.cuda.function.CPointer: an argument passed as the bytes at an address
+            def __init__(self, p=0):
+                self.ptr = p
+
         class RawKernel:
             def __init__(self, name):
                 self.name = name
@@ -200,6 +206,7 @@ class FakeCupy:
             Device=Device, Stream=Stream, runtime=runtime, driver=driver,
             stream=types.SimpleNamespace(_BaseStream=_BaseStream),
             get_current_stream=self.get_current_stream, alloc=self._alloc,
+            function=types.SimpleNamespace(CPointer=CPointer),
             compiler=types.SimpleNamespace(CompileException=CompileException),
             is_available=lambda: True)
 
@@ -257,6 +264,8 @@ class FakeCupy:
             return np.float64(a).tobytes()
         if isinstance(a, np.generic):
             return a.tobytes()
+        if isinstance(a, self.cuda.function.CPointer):
+            return ctypes.string_at(a.ptr, launch.TENSOR_MAP_BYTES)  # (the only CPointer arguments: tensor maps)
         raise TypeError(f"unsupported kernel argument {type(a)}")
 
     def _record(self, route, name, grid, block, shared, stream, params):
@@ -411,6 +420,31 @@ def test_fast_route_passes_the_bytes_rawkernel_passes(case, out, via, real_array
         assert ours and all(launch_[0] == mode for launch_ in ours)
         seen[mode] = ([launch_[1:] for launch_ in fake.launches], fake.allocations)
     assert seen["fast"] == seen["rawkernel"]
+
+
+def test_tensor_map_arguments_reach_the_kernel_on_both_routes():
+    """TENSOR_MAP arguments: 128 bytes given at each launch, in order, by value, on both routes (a kernel
+    taking a pointer, a map, an int and another map)."""
+    seen = {}
+    for mode in ("rawkernel", "fast"):
+        fake = FakeCupy()
+        fake.sigs["k_maps"] = (8, 128, 4, 128)
+        with fake_cupy(fake, mode):
+            kernel = fake.RawModule().get_function("k_maps<1>")
+            step = launch.Launcher(kernel, (3,), (32,), (launch.POINTER, launch.TENSOR_MAP, np.int32(7),
+                                                         launch.TENSOR_MAP))
+            seq = launch.Sequence([(step, (0,))], 1)
+            for call in range(2):
+                maps = (bytes(range(call, call + 128)), bytes(range(255 - call, 127 - call, -1)))
+                seq([0x1000 + call], 0, maps)
+                with pytest.raises(ValueError):
+                    seq([0x1000], 0, maps[:1])
+        seen[mode] = [launch_[1:] for launch_ in fake.launches]
+        for call, launch_ in enumerate(fake.launches):
+            params = launch_[-1]
+            assert params == ((0x1000 + call).to_bytes(8, "little"), bytes(range(call, call + 128)),
+                              np.int32(7).tobytes(), bytes(range(255 - call, 127 - call, -1)))
+    assert seen["fast"] == seen["rawkernel"] and len(seen["fast"]) == 2
 
 
 @pytest.mark.parametrize("case", ["decode_b8_long_split", "decode_gqa_fp16", "decode_fp32_cuda_cores",
@@ -823,6 +857,8 @@ GPU_CASES = {
                             softcap=30.0, window=37, packed=True, query_positions=True),
     "prefill_shaped": dict(q_lens=[3, 0, 17, 1, 0, 40], past=[5, 9, 0, 100, 0, 31], H=4, Hk=4, D=64, rotary=True),
     "prefill_shaped_int8": dict(q_lens=[33, 7], past=[200, 0], H=8, Hk=2, D=128, cache="int8"),
+    # the wgmma prefill on compute capability 9.0 (tensor-map arguments), the mma.sync one elsewhere
+    "prefill_shaped_d128": dict(q_lens=[130, 0, 64], past=[40, 7, 0], H=8, Hk=2, D=128),
 }
 
 

@@ -164,6 +164,21 @@ def test_unmapped_blocks_are_masked(rng):
     assert np.all(r1[1][:, 0:2, 8:16] == 0) and np.all(r1[1][:, 2:5, 0:8] == 0)
 
 
+@pytest.mark.parametrize("table", ["shuffled", "unmapped"])
+@pytest.mark.parametrize("opts", [dict(), dict(window=33, sink=True), dict(is_causal=0, softcap=20.0)])
+def test_nan_in_rows_no_sequence_reads_never_reaches_the_output(rng, table, opts):
+    """NaN in every cache row no sequence reads (past each sequence's keys, unmapped and spare blocks) leaves
+    the output bit-identical: masked keys are zeroed, not multiplied by their zero probability."""
+    from tests import gpu_cases as gc
+
+    for block_size in (1, 8, 24, 64):
+        inputs, attrs = gc.build(rng, q_lens=[30, 0, 45, 1], past=[40, 5, 130, 77], H=4, Hk=2, D=32,
+                                 block_size=block_size, block_table=table, **opts)
+        clean = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+        assert gc.poison_unused_cache_rows(inputs, block_size) > 0
+        _same_bits(cupa.paged_attention(**inputs, **attrs), cupa.paged_attention(**clean, **attrs))
+
+
 # ---------------------------------------------------------------------------------------------- ring
 
 def _ring_vs_full(rng, *, W, bs, prompts, steps, H=4, Hk=2, D=32, cache="T", sink=False, quant="PER_TENSOR",

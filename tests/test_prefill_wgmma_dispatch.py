@@ -248,3 +248,47 @@ def test_ws_launch_plan_and_shared_memory(rng, monkeypatch):
     monkeypatch.setenv(prefill_wgmma.WS_CTAS_ENV_VAR, "0")
     with pytest.raises(cupa.PagedAttentionError, match="CUPA_PREFILL_WS_CTAS"):
         prefill_wgmma.ws_ctas()
+
+
+@pytest.mark.parametrize("block_size,box", [(1, 0), (4, 0), (12, 0), (8, 8), (24, 8), (16, 16), (48, 16),
+                                            (32, 32), (64, 32), (256, 32), (512, 32)])
+def test_tma_boxes_of_cache_rows(rng, monkeypatch, block_size, box):
+    """Boxes of gcd(block_size, 32) cache rows (each inside one block, tiles starting on box boundaries)
+    where that is at least 8 rows, else cp.async; new K/V rows from key/value in boxes of 32 exactly where
+    the kernel reads them there (kv_from_inputs); CUPA_PREFILL_TMA=0, or no driver entry: none."""
+    from cupa.kernels import prefill, tma
+
+    monkeypatch.setattr(tma, "available", lambda: True)
+    monkeypatch.delenv(prefill_wgmma.TMA_ENV_VAR, raising=False)
+    p = problem_of(rng, block_size=block_size)[0]
+    assert prefill_wgmma.tma_plan(p) == (box, prefill.kv_from_inputs(p))
+    tail = prefill_wgmma.BACKEND._tail_args(p)
+    assert tail[:4] == (prefill_wgmma.launch.TENSOR_MAP,) * 4 and tail[4] == box
+    assert tail[5] == int(prefill.kv_from_inputs(p))
+    rotary = problem_of(rng, block_size=block_size, rotary=True)[0]  # new rows rotated: read from the cache
+    assert prefill_wgmma.tma_plan(rotary) == (box, False)
+    monkeypatch.setenv(prefill_wgmma.TMA_ENV_VAR, "0")
+    assert prefill_wgmma.tma_plan(p) == (0, False)
+    monkeypatch.setenv(prefill_wgmma.TMA_ENV_VAR, "on")
+    with pytest.raises(cupa.PagedAttentionError, match="CUPA_PREFILL_TMA"):
+        prefill_wgmma.tma_plan(p)
+    monkeypatch.delenv(prefill_wgmma.TMA_ENV_VAR)
+    monkeypatch.setattr(tma, "available", lambda: False)
+    assert prefill_wgmma.tma_plan(p) == (0, False)
+    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "0")  # paged_prefill_wgmma takes no tensor maps
+    assert prefill_wgmma.BACKEND._tail_args(p) == () and prefill_wgmma.BACKEND._maps(p) is None
+
+
+def test_tensor_map_shapes():
+    """(head_size, heads, rows) with byte strides of a row of one head and of a whole row; boxes of
+    64 columns (the 128-byte swizzle span) x 1 head x box rows; the limits of cuTensorMapEncodeTiled."""
+    from cupa.kernels import tma
+
+    assert tma.map_args(4096 * 16, 8, 128, 16) == ((128, 8, 65536), (256, 2048), (64, 1, 16))
+    assert tma.map_args(100, 1, 128, 32) == ((128, 1, 100), (256, 256), (64, 1, 32))
+    for bad in ((0, 8, 128, 16), (10, 8, 100, 16), (10, 8, 128, 0), (10, 8, 128, 257), (1 << 31, 8, 128, 16)):
+        with pytest.raises(ValueError):
+            tma.map_args(*bad)
+    if not tma.available():
+        with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled"):
+            tma.rows_map(1 << 20, 100, 1, 128, 32)

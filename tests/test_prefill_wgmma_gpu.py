@@ -8,8 +8,9 @@ compute capability 9.0. First validated on an H200 in session 3 (37 passed).
 test_split_n_variant checks the ``-DCUPA_WGMMA_PV_SPLIT_N=1`` build (the P V product without the
 descriptor's leading byte offset) as well. Every case taking the ``wgmma_on`` fixture runs with each of
 the backend's two kernels forced (the warp-specialized persistent one, CUPA_PREFILL_WGMMA_WS=1, first
-validated in session 6; paged_prefill_wgmma, =0); test_persistent_ctas_many_items caps the persistent
-CTAs so that each loops over many work items.
+validated in session 6, with its TMA K/V feed -- session 7 -- and with cp.async only, CUPA_PREFILL_TMA=0;
+paged_prefill_wgmma, =0); test_persistent_ctas_many_items caps the persistent CTAs so that each loops
+over many work items.
 """
 
 
@@ -35,13 +36,18 @@ def cp():
     return cupy
 
 
-@pytest.fixture(params=["ws", "plain"])
+@pytest.fixture(params=["ws", "ws_cpasync", "plain"])
 def wgmma_on(request, monkeypatch):
     """The backend at its default, with each of its two kernels forced: the warp-specialized persistent
-    one (CUPA_PREFILL_WGMMA_WS=1) and paged_prefill_wgmma (CUPA_PREFILL_WGMMA_WS=0)."""
+    one (CUPA_PREFILL_WGMMA_WS=1) with its K/V feed as chosen (TMA where it applies) and with cp.async
+    only (CUPA_PREFILL_TMA=0), and paged_prefill_wgmma (CUPA_PREFILL_WGMMA_WS=0)."""
     monkeypatch.delenv(prefill_wgmma.ENV_VAR, raising=False)  # the default
     monkeypatch.delenv(prefill_wgmma.WS_CTAS_ENV_VAR, raising=False)
-    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "1" if request.param == "ws" else "0")
+    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "0" if request.param == "plain" else "1")
+    if request.param == "ws_cpasync":
+        monkeypatch.setenv(prefill_wgmma.TMA_ENV_VAR, "0")
+    else:
+        monkeypatch.delenv(prefill_wgmma.TMA_ENV_VAR, raising=False)
     api._bound_op.cache_clear()
     yield
     api._bound_op.cache_clear()
@@ -239,6 +245,29 @@ def test_persistent_ctas_many_items(cp, rng, monkeypatch, ctas):
         check_wgmma(cp, inputs, attrs, dtype="bfloat16")
     finally:
         api._bound_op.cache_clear()
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 24, 48, 64, 512])
+@pytest.mark.parametrize("table", ["shuffled", "unmapped"])
+def test_tma_boxes_and_masked_rows(cp, rng, wgmma_on, block_size, table):
+    """Block sizes whose TMA boxes are 8 (8, 24), 16 (48) and 32 rows (64, 512) or none (1); evicted and
+    out-of-range blocks (boxes from past the tensor: zeros); NaN in every cache row no sequence reads,
+    so a masked row gathered into a tile (a sequence's last block, a box of masked keys) would show."""
+    inputs, attrs = gc.build(rng, q_lens=[70, 0, 130, 9], past=[40, 5, 300, 0], H=8, Hk=2, D=128,
+                             block_size=block_size, block_table=table)
+    assert gc.poison_unused_cache_rows(inputs, block_size) > 0
+    check_wgmma(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("window", [33, 100])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_tma_windows_start_inside_a_box(cp, rng, wgmma_on, window, block_size):
+    """Sliding windows: an item's first admitted key is rarely on a box boundary, so its tiles start on
+    one below it and the keys in between are masked (the straddling boxes gathered by cp.async)."""
+    inputs, attrs = gc.build(rng, q_lens=[150, 61], past=[333, 17], H=8, Hk=2, D=128, block_size=block_size,
+                             window=window)
+    gc.poison_unused_cache_rows(inputs, block_size)
+    check_wgmma(cp, inputs, attrs)
 
 
 # ---- dispatch on the device --------------------------------------------------------------------

@@ -473,6 +473,20 @@ class _Pointer:
 #: A pointer argument of a :class:`Launcher`, given at each launch.
 POINTER = _Pointer()
 
+
+class _TensorMap:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "TENSOR_MAP"
+
+
+#: A 128-byte by-value argument of a :class:`Launcher` (a ``const __grid_constant__`` tensor map,
+#: :mod:`cupa.kernels.tma`), given at each launch as ``bytes``.
+TENSOR_MAP = _TensorMap()
+#: Its size in bytes (CUtensorMap).
+TENSOR_MAP_BYTES = 128
+
 _SCALAR_TYPES = (np.int32, np.uint32, np.float32, np.int64, np.uint64)
 
 
@@ -486,40 +500,54 @@ class Launcher:
     grid, block : tuple of int
     args : tuple
         The kernel's parameters in order: :data:`POINTER` where a device pointer goes (given at each
-        launch, in order), else a NumPy ``int32``/``uint32``/``float32`` (4 bytes) or
-        ``int64``/``uint64`` (8 bytes) scalar matching the C parameter type.
+        launch, in order), :data:`TENSOR_MAP` where a 128-byte tensor map goes (given at each launch,
+        in order), else a NumPy ``int32``/``uint32``/``float32`` (4 bytes) or ``int64``/``uint64``
+        (8 bytes) scalar matching the C parameter type.
     shared_mem : int
         Dynamic shared memory in bytes (raise the kernel's limit first above 48 KB).
     """
 
-    __slots__ = ("kernel", "grid", "block", "shared_mem", "args", "pointer_positions", "_single")
+    __slots__ = ("kernel", "grid", "block", "shared_mem", "args", "pointer_positions", "map_positions", "_single")
 
     def __init__(self, kernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0):
         # CuPy's Function launches max(1, n) along every axis; both routes do the same.
         grid = tuple(max(1, int(g)) for g in tuple(grid) + (1,) * (3 - len(grid)))
         block = tuple(max(1, int(b)) for b in tuple(block) + (1,) * (3 - len(block)))
         for i, a in enumerate(args):
-            if a is not POINTER and type(a) not in _SCALAR_TYPES:
-                raise TypeError(f"Launcher argument {i}: got {type(a).__name__}; expected POINTER or a NumPy "
-                                "int32/uint32/float32/int64/uint64 scalar (its size must match the C parameter)")
+            if a is not POINTER and a is not TENSOR_MAP and type(a) not in _SCALAR_TYPES:
+                raise TypeError(f"Launcher argument {i}: got {type(a).__name__}; expected POINTER, TENSOR_MAP or "
+                                "a NumPy int32/uint32/float32/int64/uint64 scalar (its size must match the C "
+                                "parameter)")
         self.kernel = kernel
         self.grid, self.block, self.shared_mem = grid, block, int(shared_mem)
         self.args = tuple(args)
         self.pointer_positions = tuple(i for i, a in enumerate(args) if a is POINTER)
+        self.map_positions = tuple(i for i, a in enumerate(args) if a is TENSOR_MAP)
         self._single = None
 
-    def __call__(self, pointers, stream_ptr: int) -> None:
-        """Launch with ``pointers`` (ints, one per :data:`POINTER`, 0 for null) on ``stream_ptr``
-        (the rawkernel route launches on CuPy's current stream: make it the same)."""
+    def __call__(self, pointers, stream_ptr: int, maps=()) -> None:
+        """Launch with ``pointers`` (ints, one per :data:`POINTER`, 0 for null) and ``maps`` (128-byte
+        ``bytes``, one per :data:`TENSOR_MAP`) on ``stream_ptr`` (the rawkernel route launches on
+        CuPy's current stream: make it the same)."""
         if self._single is None:
             self._single = Sequence([(self, range(len(self.pointer_positions)))], len(self.pointer_positions))
-        self._single(pointers, stream_ptr)
+        self._single(pointers, stream_ptr, maps)
 
-    def rawkernel_args(self, pointers) -> tuple:
-        """The argument tuple of ``cupy.RawKernel.__call__``: pointers as NumPy ``uint64`` (8 bytes)."""
+    def rawkernel_args(self, pointers, maps=(), keep=None) -> tuple:
+        """The argument tuple of ``cupy.RawKernel.__call__``: pointers as NumPy ``uint64`` (8 bytes), tensor
+        maps as ``cupy.cuda.function.CPointer`` to a copy of their bytes, which is appended to ``keep`` (a
+        list the caller holds until the launch is made)."""
         args = list(self.args)
         for i, p in zip(self.pointer_positions, pointers):
             args[i] = np.uint64(p)
+        if self.map_positions:
+            if len(maps) != len(self.map_positions) or keep is None:
+                raise ValueError(f"Launcher: {len(self.map_positions)} tensor maps and a keep list expected")
+            function = _cp().cuda.function
+            for i, m in zip(self.map_positions, maps):
+                held = np.frombuffer(bytes(m), dtype=np.uint8).copy()
+                keep.append(held)
+                args[i] = function.CPointer(held.ctypes.data)
         return tuple(args)
 
 
@@ -537,12 +565,13 @@ class Sequence:
         Length of the pointer list given at each launch.
 
     The fast route keeps, per thread, one buffer of 8-byte slots: the pointer list first (written at
-    each launch with one ``struct.pack_into``), then every launcher's scalars (written once); each
-    launcher's ``kernelParams`` table points at its parameters' slots (a pointer used by several
-    kernels is one slot).
+    each launch with one ``struct.pack_into``), then every launcher's scalars (written once), then
+    128 bytes (64-byte aligned) per :data:`TENSOR_MAP` argument, in order over the steps (written at
+    each launch, from the ``maps`` given); each launcher's ``kernelParams`` table points at its
+    parameters' slots (a pointer used by several kernels is one slot).
     """
 
-    __slots__ = ("steps", "programmatic", "npointers", "_pack", "_tls")
+    __slots__ = ("steps", "programmatic", "npointers", "nmaps", "_pack", "_tls")
 
     def __init__(self, steps, npointers: int):
         self.steps = [(step[0], tuple(int(i) for i in step[1])) for step in steps]
@@ -551,6 +580,7 @@ class Sequence:
             if len(indices) != len(launcher.pointer_positions) or any(not 0 <= i < npointers for i in indices):
                 raise ValueError("Sequence: each launcher needs one index in [0, npointers) per POINTER")
         self.npointers = int(npointers)
+        self.nmaps = sum(len(launcher.map_positions) for launcher, _ in self.steps)
         self._pack = struct.Struct(f"={self.npointers}Q").pack_into
         self._tls = threading.local()
 
@@ -560,11 +590,16 @@ class Sequence:
         # first driver launch; do the same where no context is current yet.
         if cp.cuda.driver.ctxGetCurrent() == 0:
             cp.cuda.runtime.memGetInfo()
-        nscalars = sum(len(launcher.args) - len(launcher.pointer_positions) for launcher, _ in self.steps)
-        values = np.zeros(max(1, self.npointers + nscalars), dtype=np.uint64)
+        nscalars = sum(len(launcher.args) - len(launcher.pointer_positions) - len(launcher.map_positions)
+                       for launcher, _ in self.steps)
+        map_slots = TENSOR_MAP_BYTES // 8
+        values = np.zeros(max(1, self.npointers + nscalars + (self.nmaps + 1) * map_slots), dtype=np.uint64)
         raw = values.view(np.uint8)
         base = values.ctypes.data
         slot = self.npointers
+        maps_at = base + 8 * (self.npointers + nscalars)
+        maps_at += -maps_at % 64  # (the driver copies each parameter's bytes; aligned like a CUtensorMap anyway)
+        next_map = 0
         launches, tables = [], []
         pdl = any(self.programmatic) and pdl_enabled(cp.cuda.runtime.getDevice())
         for (launcher, indices), programmatic in zip(self.steps, self.programmatic):
@@ -573,6 +608,9 @@ class Sequence:
             for i, a in enumerate(launcher.args):
                 if a is POINTER:
                     table[i] = base + 8 * next(pointer)
+                elif a is TENSOR_MAP:
+                    table[i] = maps_at + TENSOR_MAP_BYTES * next_map
+                    next_map += 1
                 else:
                     raw[8 * slot:8 * slot + a.itemsize] = np.frombuffer(a.tobytes(), dtype=np.uint8)
                     table[i] = base + 8 * slot
@@ -584,25 +622,35 @@ class Sequence:
                 fn = functools.partial(cp.cuda.driver.launchKernel, launcher.kernel.kernel.ptr, *launcher.grid,
                                        *launcher.block, launcher.shared_mem)
             launches.append((fn, table.ctypes.data))
-        buffers = (values, tuple(launches), tables)  # tables: kept alive with the values
+        buffers = (values, tuple(launches), tables, maps_at)  # tables: kept alive with the values
         self._tls.buffers = buffers
         return buffers
 
-    def __call__(self, pointers, stream_ptr: int) -> None:
-        """Launch every step in order; ``pointers``: the pointer list (ints, 0 for null)."""
+    def __call__(self, pointers, stream_ptr: int, maps=()) -> None:
+        """Launch every step in order; ``pointers``: the pointer list (ints, 0 for null); ``maps``: one
+        128-byte ``bytes`` per :data:`TENSOR_MAP` argument, in order over the steps."""
+        if len(maps) != self.nmaps:
+            raise ValueError(f"Sequence: {self.nmaps} tensor maps expected, got {len(maps)}")
         if _FAST:
             try:
-                values, launches, _ = self._tls.buffers
+                values, launches, _, maps_at = self._tls.buffers
             except AttributeError:
-                values, launches, _ = self._thread_buffers()
+                values, launches, _, maps_at = self._thread_buffers()
             self._pack(values, 0, *pointers)
+            for j, m in enumerate(maps):
+                if len(m) != TENSOR_MAP_BYTES:
+                    raise ValueError(f"Sequence: tensor map {j} has {len(m)} bytes; expected {TENSOR_MAP_BYTES}")
+                ctypes.memmove(maps_at + TENSOR_MAP_BYTES * j, m, TENSOR_MAP_BYTES)
             for fn, table in launches:
                 fn(stream_ptr, table, 0)
         else:
+            keep, first = [], 0
             for launcher, indices in self.steps:
+                k = len(launcher.map_positions)
                 launcher.kernel(launcher.grid, launcher.block,
-                                launcher.rawkernel_args([pointers[i] for i in indices]),
+                                launcher.rawkernel_args([pointers[i] for i in indices], maps[first:first + k], keep),
                                 shared_mem=launcher.shared_mem)
+                first += k
 
 
 class _ProblemMemo(dict):

@@ -165,7 +165,8 @@ class PrefillBackend:
             # The Q workspace (none when the kernel reads `query` itself), held by `ws` until the launches
             # are enqueued, and by a capture for the graph's life.
             ws = launch.workspace(r.q_bytes) if r.q_bytes else None
-            r.launches(call.ptrs + [ws.ptr if ws is not None else 0, call.output_ptr, 0], call.stream.ptr)
+            r.launches(call.ptrs + [ws.ptr if ws is not None else 0, call.output_ptr, 0], call.stream.ptr,
+                       r.maps(call.ptrs) if r.maps is not None else ())
         return call.finish()
 
     # The kernel, launch plan and shared memory of a call: the wgmma backend swaps these three.
@@ -177,6 +178,15 @@ class PrefillBackend:
 
     def _shared_bytes(self, p: Problem) -> int:
         return shared_bytes(p)
+
+    def _tail_args(self, p: Problem) -> tuple:
+        """Arguments the attention kernel takes after the common list (none here)."""
+        return ()
+
+    def _maps(self, p: Problem):
+        """``maps(ptrs) -> tuple of bytes``: the kernel's tensor-map arguments of a call, from ``Call.ptrs``;
+        None: it takes none."""
+        return None
 
     @property
     def _memo_name(self) -> str:
@@ -196,7 +206,7 @@ class PrefillBackend:
             i32(p.token_count), i32(p.num_heads), i32(p.kv_num_heads), i32(p.batch_size), i32(p.num_blocks),
             i32(p.block_size), i32(p.max_blocks_per_seq), i32(plan["zero_ctas"]), i32(plan["num_tiles"]),
             i32(p.rotary_max_pos if p.rotary_dim else 0), f32(p.scale), f32(a.softcap), i32(a.local_window_size),
-            i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant]))
+            i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant])) + self._tail_args(p)
         attend = launch.Launcher(kernel, (plan["grid"],), (plan["threads"],), args, shared_mem=shared)
         passthrough = q_passthrough(p)  # the prologue only writes K/V; the kernel reads `query` itself
         r = _Recipe()
@@ -209,14 +219,15 @@ class PrefillBackend:
             pointers[1:3] = [_I["key"], _I["value"]]
         prologue = prologue_launcher(p, beside=prologue_beside(p, call.device_id))
         r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (attend, pointers, True)], _NPOINTERS)
+        r.maps = self._maps(p)
         return r
 
 
 class _Recipe:
-    """The launches of one problem on one device (prologue, then attention) and the size of the Q
-    workspace (0: the attention kernel reads ``query``)."""
+    """The launches of one problem on one device (prologue, then attention), the size of the Q
+    workspace (0: the attention kernel reads ``query``) and the tensor maps of a call (None: none)."""
 
-    __slots__ = ("launches", "q_bytes")
+    __slots__ = ("launches", "q_bytes", "maps")
 
 
 # Pointer arguments, as positions in Call.ptrs extended by [Q workspace, output, a null pointer].

@@ -8,9 +8,11 @@ with one of two attention kernels (:func:`ws_preferred`):
   O += P V on ``wgmma.m64n128k16`` with P in registers, K/V rows gathered through the block table with
   cp.async into the 128B-swizzled layout wgmma reads, by every thread, one CTA barrier per key tile;
 - ``paged_prefill_wgmma_ws`` (cuda_src/prefill_wgmma_ws.cu): persistent, one CTA per SM looping over
-  the same work items, warp-specialized (a copier warpgroup gathering K/V, a scheduler warpgroup
-  locating rows and loading Q, two consumer warpgroups taking turns on the tensor cores; mbarriers,
-  setmaxnreg), 128-key tiles on ``wgmma.m64n128k16``: the default, faster with or without a past.
+  the same work items, warp-specialized (a copier warpgroup filling K/V tiles -- by TMA in boxes of
+  consecutive rows where :func:`tma_plan` allows, else cp.async gathers through the block table --, a
+  scheduler warpgroup locating rows and loading Q, two consumer warpgroups taking turns on the tensor
+  cores; mbarriers, setmaxnreg), 128-key tiles on ``wgmma.m64n128k16``: the default, faster with or
+  without a past.
 
 It serves a call only when all of these hold, and otherwise says why in explain() (the call then
 goes to the mma.sync prefill backend as before):
@@ -34,8 +36,9 @@ from typing import Optional
 
 from ..contract import Problem
 from ..errors import fail
-from . import registry
-from .prefill import MAX_GRID_X, PrefillBackend, prologue_phrase
+from . import launch, registry, tma
+from .prefill import MAX_GRID_X, PrefillBackend, kv_from_inputs, prologue_phrase
+from .types import i32
 
 #: The switch: "0" turns the backend off (validated on an H200: tests/test_prefill_wgmma_gpu.py).
 ENV_VAR = "CUPA_PREFILL_WGMMA"
@@ -60,7 +63,7 @@ def ws_preferred(problem: Problem) -> bool:
 
     Measured on the H200 (docs/performance.md), whole calls: B=4 x 2048 without a past 368.7 us against
     375-377 for paged_prefill_wgmma; chunked prefill (B=8 x 512 new tokens over 8192 cached) 1117 us
-    against 1230-1242.
+    against 1230-1242 (session 6, cp.async only; with TMA since session 7: 339 and 1008 us).
     """
     env = os.environ.get(WS_ENV_VAR, "")
     if env not in ("", "0", "1"):
@@ -155,6 +158,40 @@ def ws_launch_plan(problem: Problem, sms: Optional[int] = None) -> dict:
             "stages": WS_STAGES}
 
 
+#: "0": the warp-specialized kernel gathers every K/V row with cp.async (no TMA): an A/B switch.
+TMA_ENV_VAR = "CUPA_PREFILL_TMA"
+#: Keys per copier warp of the warp-specialized kernel: the largest TMA box of cache rows, and the box
+#: of new key / value rows.
+WS_WARP_KEYS = 32
+#: Smallest TMA box of cache rows worth a copy (below, the copier gathers rows with cp.async).
+TMA_MIN_BOX = 8
+
+
+def tma_enabled() -> bool:
+    env = os.environ.get(TMA_ENV_VAR, "")
+    if env not in ("", "0", "1"):
+        raise fail(TMA_ENV_VAR, repr(env), "'0' (K/V rows by cp.async only), '1' or unset (TMA where it applies)")
+    return env != "0" and tma.available()
+
+
+def tma_plan(problem: Problem) -> tuple:
+    """``(cache_box, inputs)`` of the warp-specialized kernel: rows per TMA box of cache rows (0: cache rows
+    by cp.async) and whether new K/V rows read from ``key``/``value`` come by TMA.
+
+    A box of cache rows must lie inside one block, and tiles start on box boundaries: boxes of
+    gcd(block_size, 32) rows (block_size 16: 16; 64, 256, ...: 32), where that is at least 8 rows; new
+    rows are consecutive, in boxes of 32. Boxes with masked and unmasked keys (a sequence's ends)
+    are gathered with cp.async.
+    """
+    p = problem
+    if not tma_enabled():
+        return 0, False
+    box = math.gcd(p.block_size, WS_WARP_KEYS)
+    cache_box = box if box >= TMA_MIN_BOX and p.num_blocks * p.block_size <= tma.MAX_ROWS else 0
+    inputs = kv_from_inputs(p) and p.token_count <= tma.MAX_ROWS
+    return cache_box, inputs
+
+
 def launch_plan(problem: Problem) -> dict:
     """Grid of one call, from static sizes only (the same numbering as the mma.sync prefill)."""
     p = problem
@@ -197,10 +234,17 @@ class PrefillWgmmaBackend(PrefillBackend):
     def describe(self, problem: Problem) -> str:
         if ws_preferred(problem):
             plan = ws_launch_plan(problem, ws_ctas())
+            cache_box, inputs = tma_plan(problem)
+            feed = []
+            if cache_box:
+                feed.append(f"cache rows by TMA in boxes of {cache_box}")
+            if inputs:
+                feed.append(f"new rows from key/value by TMA in boxes of {WS_WARP_KEYS}")
+            feed = "; ".join(feed + ["otherwise block-table gathers with cp.async"])
             return (f"paged prefill on Hopper warpgroup MMA, warp-specialized (wgmma m64n128k16, sm_90a; off with "
                     f"{ENV_VAR}=0): the warp-specialized kernel ({WS_ENV_VAR}=0: the other one): "
-                    f"{plan['persistent']} persistent CTAs of a copier warpgroup (block-table gathers "
-                    f"with cp.async), a scheduler warpgroup and 2 consumer warpgroups taking turns (mbarriers, "
+                    f"{plan['persistent']} persistent CTAs of a copier warpgroup ({feed}; {TMA_ENV_VAR}=0: "
+                    f"cp.async only), a scheduler warpgroup and 2 consumer warpgroups taking turns (mbarriers, "
                     f"setmaxnreg), over {plan['num_tiles']} row tiles of {plan['rows']} (token, group "
                     f"head) rows x {problem.kv_num_heads} KV heads, + {plan['zero_ctas']} zero-pass CTA(s); keys in "
                     f"tiles of {plan['keys']} through a {plan['stages']}-stage ring; {prologue_phrase(problem)}; "
@@ -226,6 +270,40 @@ class PrefillWgmmaBackend(PrefillBackend):
 
     def _shared_bytes(self, p: Problem) -> int:
         return ws_shared_bytes(p) if ws_preferred(p) else shared_bytes(p)
+
+    def _tail_args(self, p: Problem) -> tuple:
+        if not ws_preferred(p):
+            return ()
+        cache_box, inputs = tma_plan(p)
+        return (launch.TENSOR_MAP,) * 4 + (i32(cache_box), i32(int(inputs)))
+
+    def _maps(self, p: Problem):
+        if not ws_preferred(p):
+            return None
+        return _ws_maps(p, *tma_plan(p))
+
+
+_KEY_CACHE, _VALUE_CACHE = launch.PTR_INDEX["key_cache"], launch.PTR_INDEX["value_cache"]
+_KEY, _VALUE = launch.PTR_INDEX["key"], launch.PTR_INDEX["value"]
+
+
+def _ws_maps(p: Problem, cache_box: int, inputs: bool):
+    """``maps(ptrs)``: the warp-specialized kernel's tensor maps of one call (key_cache, value_cache, key,
+    value; zeros where its plan uses none), encoded per address (:func:`tma.rows_map` keeps recent ones)."""
+    slots, heads, d = p.num_blocks * p.block_size, p.kv_num_heads, p.head_size
+    tokens, zero, rows_map = p.token_count, tma.ZERO_MAP, tma.rows_map
+
+    def maps(ptrs):
+        kc = vc = k = v = zero
+        if cache_box:
+            kc = rows_map(ptrs[_KEY_CACHE], slots, heads, d, cache_box)
+            vc = rows_map(ptrs[_VALUE_CACHE], slots, heads, d, cache_box)
+        if inputs:
+            k = rows_map(ptrs[_KEY], tokens, heads, d, WS_WARP_KEYS)
+            v = rows_map(ptrs[_VALUE], tokens, heads, d, WS_WARP_KEYS)
+        return (kc, vc, k, v)
+
+    return maps
 
 
 BACKEND = PrefillWgmmaBackend()

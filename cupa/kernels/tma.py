@@ -1,0 +1,87 @@
+"""Tensor maps for the bulk tensor copy engine (TMA, compute capability 9.0+), encoded on the host.
+
+A tensor map is 128 opaque bytes (``CUtensorMap``) describing a tensor in device memory and the box
+a ``cp.async.bulk.tensor`` copies; kernels take it by value (``const __grid_constant__ TmaMap``,
+cuda_src/wgmma.cuh). It is encoded by the driver's ``cuTensorMapEncodeTiled`` (through ctypes: CuPy
+has no binding), a host-only function, and names the tensor's device address, so a map is encoded
+per tensor address; :func:`rows_map` keeps the recent ones.
+
+The maps here view a tensor of 16-bit rows, ``(rows, heads, head_size)`` C-contiguous (a cache
+``(num_blocks, block_size, kv_num_heads, head_size)`` as ``num_blocks * block_size`` rows, or
+``key``/``value`` as ``token_count`` rows), as the rank-3 tensor (head_size, heads, rows) with boxes
+of 64 columns x 1 head x ``box_rows`` rows, 128-byte swizzled: the layout wgmma reads (two 64-column
+slabs per tile; ``wg_off`` in wgmma.cuh). Elements outside the tensor are filled with zeros.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+#: cuda.h enums
+_UINT16 = 1               # CU_TENSOR_MAP_DATA_TYPE_UINT16 (a copy: fp16 and bf16 alike)
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_OOB_FILL_ZEROS = 0       # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
+
+MAP_BYTES = 128
+#: Columns per box: 64 16-bit elements = the 128-byte swizzle span.
+BOX_COLUMNS = 64
+#: Largest box extent along any dimension (cuTensorMapEncodeTiled).
+MAX_BOX = 256
+#: Coordinates are 32-bit signed in cp.async.bulk.tensor: the rows of a map stay below this.
+MAX_ROWS = (1 << 31) - 1
+
+ZERO_MAP = bytes(MAP_BYTES)
+
+
+@functools.lru_cache(maxsize=None)
+def _encode_fn():
+    """``cuTensorMapEncodeTiled`` from the driver, or None where there is no driver (or no such entry)."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def available() -> bool:
+    """Whether tensor maps can be encoded here (a CUDA driver with ``cuTensorMapEncodeTiled``)."""
+    return _encode_fn() is not None
+
+
+def map_args(rows: int, heads: int, head_size: int, box_rows: int) -> tuple:
+    """The shape arguments of :func:`rows_map` as ``cuTensorMapEncodeTiled`` takes them:
+    (globalDim, globalStrides, boxDim), innermost first; raises ValueError where they break its rules."""
+    if head_size % BOX_COLUMNS or not 0 < heads or not 0 < rows <= MAX_ROWS or not 0 < box_rows <= MAX_BOX:
+        raise ValueError(f"tensor map: rows={rows}, heads={heads}, head_size={head_size}, box_rows={box_rows}")
+    dims = (head_size, heads, rows)
+    strides = (head_size * 2, heads * head_size * 2)  # bytes, of dimensions 1 and 2 (multiples of 16)
+    box = (BOX_COLUMNS, 1, box_rows)
+    return dims, strides, box
+
+
+@functools.lru_cache(maxsize=64)
+def rows_map(ptr: int, rows: int, heads: int, head_size: int, box_rows: int) -> bytes:
+    """The 128-byte tensor map of the 16-bit tensor ``(rows, heads, head_size)`` at device address ``ptr``
+    (16-byte aligned) with boxes of 64 x 1 x ``box_rows`` (see the module docstring)."""
+    fn = _encode_fn()
+    if fn is None:
+        raise RuntimeError("tensor maps: the CUDA driver has no cuTensorMapEncodeTiled (check available() first)")
+    if ptr % 16:
+        raise ValueError(f"tensor map: device address {ptr:#x} is not 16-byte aligned")
+    dims, strides, box = map_args(rows, heads, head_size, box_rows)
+    buf = ctypes.create_string_buffer(MAP_BYTES + 64)  # the driver writes a 64-byte aligned map
+    offset = -ctypes.addressof(buf) % 64
+    status = fn(ctypes.c_void_p(ctypes.addressof(buf) + offset), _UINT16, 3, ctypes.c_void_p(ptr),
+                (ctypes.c_uint64 * 3)(*dims), (ctypes.c_uint64 * 2)(*strides), (ctypes.c_uint32 * 3)(*box),
+                (ctypes.c_uint32 * 3)(1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+    if status:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} (rows={rows}, heads={heads}, "
+                           f"head_size={head_size}, box_rows={box_rows}, address {ptr:#x})")
+    return buf.raw[offset:offset + MAP_BYTES]
