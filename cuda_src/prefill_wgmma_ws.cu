@@ -257,10 +257,10 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       // Copier warp cw fills keys 32cw..32cw+31 of each tile; lane l finds the row of key 32cw + l (one
       // tile ahead). Where each box of `box` consecutive keys (tma_box of a block, or all 32 new
       // tokens) is either wholly mapped -- consecutive rows -- or wholly masked, the warp's rows come
-      // by TMA: lane i < 2 * 32 / box loads half i % 2 (64 columns) of box i / 2, a masked box from a
-      // row past the tensor (zeros). Otherwise (a box straddling kmin or khi, block sizes TMA does not
-      // tile, TMA off) each round copies 2 keys (lanes 0-15: key 2i, 16-31: key 2i + 1 of the warp's
-      // 32), chunk l % 16 each, by cp.async (masked keys zero-filled).
+      // by TMA: lane 0 loads both halves (64 columns each) of every box, a masked box from a row past
+      // the tensor (zeros). Otherwise (a box straddling kmin or khi, block sizes TMA does not tile,
+      // TMA off) each round copies 2 keys (lanes 0-15: key 2i, 16-31: key 2i + 1 of the warp's 32),
+      // chunk l % 16 each, by cp.async (masked keys zero-filled).
       const int cw = warp;
       const long long row_stride_bytes = (long long)Hk * D * 2;
       const FastDiv block_div(block_size);
