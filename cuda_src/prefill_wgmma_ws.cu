@@ -99,8 +99,9 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
     float softcap, int window, int is_causal, int k_quant, int v_quant,
     // TMA: tensor maps of key_cache / value_cache as (D, Hk, slots) and of key / value as (D, Hk, tokens),
-    // boxes of 64 x 1 x tma_box rows (cache) or 64 x 1 x 32 (inputs), 128B swizzle; tma_box 0: cache rows
-    // by cp.async only; tma_inputs 0: key / value rows by cp.async only.
+    // boxes of 64 x 1 x tma_box rows (cache) or 64 x 1 x 32 (inputs), 128B swizzle. tma_box: 0 (cache rows
+    // by cp.async only) or 8, 16, 32 dividing block_size (box destinations, box-aligned 128-byte rows,
+    // then stay 1024-byte aligned as the swizzle needs); tma_inputs 0: key / value rows by cp.async only.
     const __grid_constant__ TmaMap tm_kc, const __grid_constant__ TmaMap tm_vc, const __grid_constant__ TmaMap tm_k,
     const __grid_constant__ TmaMap tm_v, int tma_box, int tma_inputs) {
   // (k_scale, v_scale, k_quant, v_quant: the argument list of paged_prefill; unused, T caches only.)

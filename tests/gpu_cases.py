@@ -97,20 +97,28 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
     return inputs, attrs
 
 
-def poison_unused_cache_rows(inputs, block_size):
+def poison_unused_cache_rows(inputs, block_size, window=-1):
     """NaN in every cache row no sequence reads (positions past each sequence's keys, unmapped and spare
-    blocks): rows a kernel loads but masks must not reach the output (0 * NaN)."""
+    blocks; fp8 codes 0x7F, int8 codes 127): rows a kernel loads but masks must not reach the output
+    (0 * NaN). With a causal ``window`` (default positions), also the rows before every window of a
+    sequence (positions <= past - window). Returns how many rows were poisoned."""
     cum, past, bt = inputs["cumulative_sequence_length"], inputs["past_seqlens"], inputs["block_table"]
     num_blocks = inputs["key_cache"].shape[0]
     unused = np.ones(num_blocks * block_size, dtype=bool)
     for b in range(len(past)):
-        for pos in range(int(past[b]) + int(cum[b + 1] - cum[b])):
+        first = max(0, int(past[b]) - window + 1) if window > 0 else 0  # the first query's window start
+        for pos in range(first, int(past[b]) + int(cum[b + 1] - cum[b])):
             blk = int(bt[b, pos // block_size])
             if 0 <= blk < num_blocks:
                 unused[blk * block_size + pos % block_size] = False
     for name in ("key_cache", "value_cache"):
         rows = inputs[name].reshape(num_blocks * block_size, -1)
-        rows[unused] = np.nan
+        if rows.dtype == np.uint8:    # fp8 e4m3 codes as bytes: 0x7F is NaN
+            rows[unused] = 0x7F
+        elif rows.dtype == np.int8:   # int8 codes have no NaN: the largest code instead
+            rows[unused] = 127
+        else:
+            rows[unused] = np.nan
     return int(unused.sum())
 
 

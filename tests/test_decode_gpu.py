@@ -46,6 +46,18 @@ def test_decode_quantized_group_sizes(cp, rng, cache, H, Hk, D):
     gc.check_against_reference(cp, inputs, attrs, cache=cache)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dtype,cache", [("float16", "T"), ("float32", "T"), ("bfloat16", "fp8"),
+                                         ("float16", "int8")])
+def test_decode_nan_in_unread_cache_rows(cp, rng, block_size, dtype, cache):
+    """NaN (fp8: 0x7F) in every cache row no sequence reads -- past each sequence's last key, evicted and
+    spare blocks -- never reaches the output (the tensor-core and CUDA-core loops, 8-bit included)."""
+    inputs, attrs = gc.build(rng, B=5, H=8, Hk=2, D=128, dtype=dtype, cache=cache, block_size=block_size,
+                             block_table="unmapped", past=[300, 17, 1, 64, 250])
+    assert gc.poison_unused_cache_rows(inputs, block_size) > 0
+    gc.check_against_reference(cp, inputs, attrs, dtype=dtype, cache=cache)
+
+
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
 def test_decode_quantized_ragged_through_the_decode_backend(cp, rng, cache):
     """Several tokens per sequence (causal within the call), zero-token sequences and a window through the

@@ -77,6 +77,18 @@ def test_prefill_int8(cp, rng):
     check_prefill(cp, inputs, attrs, cache="int8")
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("D,dtype,cache", [(128, "float16", "T"), (64, "bfloat16", "fp8"), (256, "float16", "T"),
+                                           (128, "float16", "int8")])
+def test_prefill_nan_in_unread_cache_rows(cp, rng, block_size, D, dtype, cache):
+    """NaN (fp8: 0x7F) in every cache row no sequence reads -- past each sequence's last key, evicted and
+    spare blocks -- never reaches the output (a tile's masked rows are zero-filled)."""
+    inputs, attrs = gc.build(rng, q_lens=[70, 0, 130, 9], past=[40, 5, 300, 0], H=8, Hk=2, D=D, dtype=dtype,
+                             cache=cache, block_size=block_size, block_table="unmapped")
+    assert gc.poison_unused_cache_rows(inputs, block_size) > 0
+    check_prefill(cp, inputs, attrs, dtype=dtype, cache=cache)
+
+
 @pytest.mark.parametrize("variant", ["plain", "rotary_norm", "int8", "slot_mapping_skip"])
 def test_prologue_several_tokens_per_cta(cp, rng, variant):
     """Enough tokens that the prologue groups 2+ tokens per CTA: plain 16-byte copies of several

@@ -276,7 +276,7 @@ def test_tma_boxes_of_cache_rows(rng, monkeypatch, block_size, box):
     monkeypatch.setattr(tma, "available", lambda: False)
     assert prefill_wgmma.tma_plan(p) == (0, False)
     monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "0")  # paged_prefill_wgmma takes no tensor maps
-    assert prefill_wgmma.BACKEND._tail_args(p) == () and prefill_wgmma.BACKEND._maps(p) is None
+    assert prefill_wgmma.BACKEND._tail_args(p) == () and prefill_wgmma.BACKEND._maps(p, ()) is None
 
 
 def test_tensor_map_shapes():

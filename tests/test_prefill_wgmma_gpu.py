@@ -266,8 +266,36 @@ def test_tma_windows_start_inside_a_box(cp, rng, wgmma_on, window, block_size):
     one below it and the keys in between are masked (the straddling boxes gathered by cp.async)."""
     inputs, attrs = gc.build(rng, q_lens=[150, 61], past=[333, 17], H=8, Hk=2, D=128, block_size=block_size,
                              window=window)
-    gc.poison_unused_cache_rows(inputs, block_size)
+    assert gc.poison_unused_cache_rows(inputs, block_size, window=window) > 200  # (rows before the windows too)
     check_wgmma(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_tma_reads_through_the_tensor_maps(cp, rng, monkeypatch, block_size):
+    """The TMA feed really runs: with the value cache's tensor map pointed at a negated copy, the output
+    moves far from the reference; with CUPA_PREFILL_TMA=0 the same substitution changes nothing (no
+    maps are used) and the output matches the reference."""
+    from cupa.kernels import tma
+
+    inputs, attrs = gc.build(rng, q_lens=[64, 40], past=[512, 300], H=8, Hk=2, D=128, block_size=block_size)
+    ref = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()},
+                               **attrs)
+    encode = tma.rows_map
+    for tma_env in ("1", "0"):
+        monkeypatch.delenv(prefill_wgmma.ENV_VAR, raising=False)
+        monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "1")
+        monkeypatch.setenv(prefill_wgmma.TMA_ENV_VAR, tma_env)
+        api._bound_op.cache_clear()
+        dev = gc.to_device(cp, inputs)
+        shadow = -dev["value_cache"]
+        target = dev["value_cache"].data.ptr
+        monkeypatch.setattr(tma, "rows_map", lambda ptr, *a: encode(shadow.data.ptr if ptr == target else ptr, *a))
+        text = cupa.PagedAttention(**attrs).explain(**dev)
+        assert ("cache rows by TMA in boxes of" in text) == (tma_env == "1"), text
+        out = cp.asnumpy(cupa.PagedAttention(**attrs)(**dev))
+        err = gc.rel_error(out, ref)
+        assert (err > 0.5) if tma_env == "1" else (err < gc.TOLERANCE["float16"]), (tma_env, err)
+    api._bound_op.cache_clear()
 
 
 # ---- dispatch on the device --------------------------------------------------------------------

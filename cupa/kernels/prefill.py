@@ -183,9 +183,9 @@ class PrefillBackend:
         """Arguments the attention kernel takes after the common list (none here)."""
         return ()
 
-    def _maps(self, p: Problem):
-        """``maps(ptrs) -> tuple of bytes``: the kernel's tensor-map arguments of a call, from ``Call.ptrs``;
-        None: it takes none."""
+    def _maps(self, p: Problem, tail: tuple):
+        """``maps(ptrs) -> tuple of bytes``: the kernel's tensor-map arguments of a call, from ``Call.ptrs``,
+        for the tail arguments ``tail`` (:meth:`_tail_args`, built once with them); None: it takes none."""
         return None
 
     @property
@@ -206,7 +206,9 @@ class PrefillBackend:
             i32(p.token_count), i32(p.num_heads), i32(p.kv_num_heads), i32(p.batch_size), i32(p.num_blocks),
             i32(p.block_size), i32(p.max_blocks_per_seq), i32(plan["zero_ctas"]), i32(plan["num_tiles"]),
             i32(p.rotary_max_pos if p.rotary_dim else 0), f32(p.scale), f32(a.softcap), i32(a.local_window_size),
-            i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant])) + self._tail_args(p)
+            i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant]))
+        tail = self._tail_args(p)
+        args += tail
         attend = launch.Launcher(kernel, (plan["grid"],), (plan["threads"],), args, shared_mem=shared)
         passthrough = q_passthrough(p)  # the prologue only writes K/V; the kernel reads `query` itself
         r = _Recipe()
@@ -219,7 +221,7 @@ class PrefillBackend:
             pointers[1:3] = [_I["key"], _I["value"]]
         prologue = prologue_launcher(p, beside=prologue_beside(p, call.device_id))
         r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (attend, pointers, True)], _NPOINTERS)
-        r.maps = self._maps(p)
+        r.maps = self._maps(p, tail)
         return r
 
 

@@ -163,8 +163,11 @@ TMA_ENV_VAR = "CUPA_PREFILL_TMA"
 #: Keys per copier warp of the warp-specialized kernel: the largest TMA box of cache rows, and the box
 #: of new key / value rows.
 WS_WARP_KEYS = 32
-#: Smallest TMA box of cache rows worth a copy (below, the copier gathers rows with cp.async).
+#: Smallest TMA box of cache rows: the kernel's box destinations (box-aligned rows of 128 bytes) stay
+#: 1024-byte aligned, as the 128-byte swizzle needs, only for boxes of 8, 16 or 32 rows (a correctness
+#: limit, not a tuning knob; below it the copier gathers rows with cp.async).
 TMA_MIN_BOX = 8
+TMA_BOXES = (0, 8, 16, 32)
 
 
 def tma_enabled() -> bool:
@@ -189,6 +192,7 @@ def tma_plan(problem: Problem) -> tuple:
     box = math.gcd(p.block_size, WS_WARP_KEYS)
     cache_box = box if box >= TMA_MIN_BOX and p.num_blocks * p.block_size <= tma.MAX_ROWS else 0
     inputs = kv_from_inputs(p) and p.token_count <= tma.MAX_ROWS
+    assert cache_box in TMA_BOXES  # (the kernel's contract: tma_box in paged_prefill_wgmma_ws)
     return cache_box, inputs
 
 
@@ -277,10 +281,10 @@ class PrefillWgmmaBackend(PrefillBackend):
         cache_box, inputs = tma_plan(p)
         return (launch.TENSOR_MAP,) * 4 + (i32(cache_box), i32(int(inputs)))
 
-    def _maps(self, p: Problem):
-        if not ws_preferred(p):
+    def _maps(self, p: Problem, tail: tuple):
+        if not tail:
             return None
-        return _ws_maps(p, *tma_plan(p))
+        return _ws_maps(p, int(tail[4]), bool(tail[5]))  # the plan the kernel's arguments carry
 
 
 _KEY_CACHE, _VALUE_CACHE = launch.PTR_INDEX["key_cache"], launch.PTR_INDEX["value_cache"]
