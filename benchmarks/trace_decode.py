@@ -7,9 +7,10 @@ sources for this process only (``jit.SOURCE_DIR``; the package is untouched). On
 bench_decode shape is timed (CUDA events, L2 flushed, median of ``--reps``), then one more call is
 traced and summarized: quantiles (0, 10, 50, 90, 100%) across CTAs of each event in us after the
 first CTA's entry, of each CTA's key-loop time and of its merge time (stored -> exit), CTAs per SM,
-and when each SM's last CTA ended.
+when each SM's last CTA ended, and the loop times and exits of the CTAs grouped by how many CTAs
+their SM ran. ``--raw FILE.npy`` also saves every CTA's timestamps (ns) and SM id.
 
-    python benchmarks/trace_decode.py --B 8 --L 8192 [--cache int8] [--decode-only] [--out trace.json]
+    python benchmarks/trace_decode.py --B 8 --L 8192 [--cache int8] [--decode-only] [--out trace.json] [--raw t.npy]
 
 ``--decode-only`` drops the prologue launch (the decode kernel alone; its results are then not the
 attention of the call). The instrumented kernel is a little slower than the library's (two global
@@ -95,6 +96,37 @@ def quantiles(values) -> list:
     return [round(float(np.quantile(values, q)), 2) for q in (0, 0.1, 0.5, 0.9, 1.0)]
 
 
+def summarize(t) -> dict:
+    """Quantiles of the per-CTA timestamps ``t`` (rows of EVENTS in ns, then the SM id; rows without an
+    entry are ignored), in us after the first CTA's entry."""
+    t = t[t[:, 0] > 0]
+    base = t[:, 0].min()
+    res = {"ctas": int(len(t))}
+    for i, name in enumerate(EVENTS):
+        hit = t[:, i] > 0
+        if hit.any():
+            res[name + "_us"] = quantiles((t[hit, i] - base) / 1000.0)
+    looped = (t[:, 2] > 0) & (t[:, 3] > 0)
+    res["loop_us"] = quantiles((t[looped, 3] - t[looped, 2]) / 1000.0)
+    merged = (t[:, 4] > 0) & (t[:, 5] > 0)
+    res["merge_us"] = quantiles((t[merged, 5] - t[merged, 4]) / 1000.0)
+    sm = t[:, 7]
+    per_sm = np.bincount(sm)
+    res["sms_with_n_ctas"] = np.bincount(per_sm).tolist()
+    ended = t[:, 5] > 0  # (CTAs of splits without admitted keys return before the last probe)
+    finish = np.full(len(per_sm), -1.0)
+    np.maximum.at(finish, sm[ended], (t[ended, 5] - base) / 1000.0)
+    res["sm_finish_us"] = quantiles(finish[finish >= 0])
+    # Key-loop time and exit of the CTAs grouped by how many CTAs their SM ran (SM-level contention)
+    for n in np.unique(per_sm):
+        on = per_sm[sm] == n
+        if (on & looped).any():
+            res[f"loop_us_on_sms_with_{n}"] = quantiles((t[on & looped, 3] - t[on & looped, 2]) / 1000.0)
+        if (on & ended).any():
+            res[f"exit_us_on_sms_with_{n}"] = quantiles((t[on & ended, 5] - base) / 1000.0)
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--B", type=int, default=8)
@@ -105,6 +137,7 @@ def main(argv=None):
     ap.add_argument("--decode-only", action="store_true", help="launch the decode kernel without the prologue")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="")
+    ap.add_argument("--raw", default="", help="save the per-CTA timestamps (ns; columns: events, then SM id) as .npy")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -151,25 +184,11 @@ def main(argv=None):
         cp.RawModule = raw_module
         shutil.rmtree(tmp, ignore_errors=True)
     t = cp.asnumpy(trace).reshape(-1, 8).astype(np.int64)
-    t = t[t[:, 0] > 0]
-    base = t[:, 0].min()
+    if args.raw:  # row c: CTA blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); zeros: no entry
+        np.save(args.raw, t[: int(np.flatnonzero(t[:, 0]).max(initial=-1)) + 1])
     res = {"B": args.B, "L": args.L, "H": args.H, "Hk": args.Hk, "cache": args.cache,
-           "decode_only": args.decode_only, "call_us": round(timed["median_us"], 2), "ctas": int(len(t))}
-    for i, name in enumerate(EVENTS):
-        hit = t[:, i] > 0
-        if hit.any():
-            res[name + "_us"] = quantiles((t[hit, i] - base) / 1000.0)
-    looped = (t[:, 2] > 0) & (t[:, 3] > 0)
-    res["loop_us"] = quantiles((t[looped, 3] - t[looped, 2]) / 1000.0)
-    merged = (t[:, 4] > 0) & (t[:, 5] > 0)
-    res["merge_us"] = quantiles((t[merged, 5] - t[merged, 4]) / 1000.0)
-    sm = t[:, 7]
-    per_sm = np.bincount(sm)
-    res["sms_with_n_ctas"] = np.bincount(per_sm).tolist()
-    ended = t[:, 5] > 0  # (CTAs of splits without admitted keys return before the last probe)
-    finish = np.full(len(per_sm), -1.0)
-    np.maximum.at(finish, sm[ended], (t[ended, 5] - base) / 1000.0)
-    res["sm_finish_us"] = quantiles(finish[finish >= 0])
+           "decode_only": args.decode_only, "call_us": round(timed["median_us"], 2)}
+    res.update(summarize(t))
     print(json.dumps(res))
     if args.out:
         with open(args.out, "w") as f:

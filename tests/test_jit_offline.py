@@ -272,3 +272,34 @@ def test_decode_trace_instrumentation_applies_and_compiles(tmp_path):
         spec = jit.Specialization(spec.family, spec.name_expression, options)
         result = jit.compile_offline(spec, "sm_90", source_dir=src)
         assert result.ok, result.log
+
+
+def test_decode_trace_summary_groups_ctas_by_their_sms_load():
+    """trace_decode.summarize: event quantiles after the first entry, and loop times / exits of the CTAs
+    grouped by how many CTAs their SM ran (a row without an entry -- a CTA index never launched -- is
+    ignored)."""
+    import sys
+
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import trace_decode
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    us = 1000
+    rows = [  # entry, waited, first tile, loop end, stored, exit, -, SM
+        [1 * us, 2 * us, 3 * us, 13 * us, 14 * us, 15 * us, 0, 0],
+        [1 * us, 2 * us, 3 * us, 23 * us, 24 * us, 25 * us, 0, 0],
+        [2 * us, 3 * us, 4 * us, 8 * us, 9 * us, 10 * us, 0, 1],
+        [0, 0, 0, 0, 0, 0, 0, 0],
+    ]
+    res = trace_decode.summarize(np.array(rows, dtype=np.int64))
+    assert res["ctas"] == 3
+    assert res["entry_us"] == [0.0, 0.0, 0.0, 0.8, 1.0]
+    assert res["sms_with_n_ctas"] == [0, 1, 1]  # one SM ran 1 CTA, one ran 2
+    assert res["loop_us_on_sms_with_2"] == [10.0, 11.0, 15.0, 19.0, 20.0]
+    assert res["loop_us_on_sms_with_1"] == [4.0] * 5
+    assert res["exit_us_on_sms_with_1"] == [9.0] * 5
+    assert res["exit_us_on_sms_with_2"][-1] == 24.0
+    assert res["sm_finish_us"] == [9.0, 10.5, 16.5, 22.5, 24.0]
