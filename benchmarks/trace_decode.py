@@ -93,6 +93,9 @@ def instrumented_sources(dst: str) -> str:
 
 
 def quantiles(values) -> list:
+    """0, 10, 50, 90 and 100% quantiles (an empty list when no CTA recorded the event)."""
+    if len(values) == 0:
+        return []
     return [round(float(np.quantile(values, q)), 2) for q in (0, 0.1, 0.5, 0.9, 1.0)]
 
 

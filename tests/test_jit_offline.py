@@ -303,3 +303,6 @@ def test_decode_trace_summary_groups_ctas_by_their_sms_load():
     assert res["exit_us_on_sms_with_1"] == [9.0] * 5
     assert res["exit_us_on_sms_with_2"][-1] == 24.0
     assert res["sm_finish_us"] == [9.0, 10.5, 16.5, 22.5, 24.0]
+    rows = np.array(rows, dtype=np.int64)
+    rows[:, 4:6] = 0  # no CTA reached its stores (a kernel returning before the probe): no quantiles
+    assert trace_decode.summarize(rows)["merge_us"] == []
