@@ -56,6 +56,14 @@ template <typename Cache> struct MmaMinCtas { static constexpr int value = Cache
 #ifndef CUPA_MMA8_NT
 #define CUPA_MMA8_NT 1
 #endif
+// 16-bit caches: the score MMAs' k-steps go to two accumulators (even / odd k-steps), summed after,
+// so a tile's S is two dependent chains of D/32 MMAs instead of one of D/16 (the latency of a tile
+// matters where few CTAs are left). -DCUPA_SPLITK=0: one chain (A/B runs). Measured in session 9
+// (A/B in one run, one chain / two): B=8 81.9 -> 81.6 us, B=64 265.0 -> 264.3 us; on the 8-bit
+// keys-as-M loop no gain (int8 157.3 -> 157.7), so it keeps one chain.
+#ifndef CUPA_SPLITK
+#define CUPA_SPLITK 1
+#endif
 
 // The 8x8 b16 matrix held one row-pair per lane (mma fragment layout), transposed.
 CUPA_DEVICE unsigned movmatrix_trans(unsigned x) {
@@ -446,6 +454,9 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
 
       // S = Q K^T for this warp's 16 keys.
       float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#if CUPA_SPLITK
+      float s2[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};  // (16-bit caches) odd k-steps
+#endif
       const unsigned char* st = stages + stage * L::stage_bytes;
       if constexpr (Cache::quantized) {
 #pragma unroll
@@ -470,9 +481,23 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
           unsigned b[4];
           const int mi = lane >> 3;
           ldmatrix_x4(b, sK + swz<D>(warp * 16 + (mi >> 1) * 8 + (lane & 7), kk * 16 + (mi & 1) * 8));
-          Mma<T>::run(s[0], qf[kk], b[0], b[1]);
-          Mma<T>::run(s[1], qf[kk], b[2], b[3]);
+#if CUPA_SPLITK
+          if (kk & 1) {
+            Mma<T>::run(s2[0], qf[kk], b[0], b[1]);
+            Mma<T>::run(s2[1], qf[kk], b[2], b[3]);
+          } else
+#endif
+          {
+            Mma<T>::run(s[0], qf[kk], b[0], b[1]);
+            Mma<T>::run(s[1], qf[kk], b[2], b[3]);
+          }
         }
+#if CUPA_SPLITK
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+#endif
       }
       // Scores in log2 units (the scale times log2(e) folded into one multiply), so each
       // probability is one ex2; m0/m1 are converted back to natural units after the loop.
