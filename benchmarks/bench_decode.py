@@ -2,8 +2,11 @@
 
 Shapes of SPEC section 7 (fp16, GQA 32/8, D=128, block 16) plus MHA 32/32 and GQA 64/8, int8 and
 fp8 PER_CHANNEL caches, and a call without attention_metadata. Block tables are sized for twice
-the longest sequence, as a server sizes them for its maximum length. L2 is flushed before each
-run; the read roofline is measured in the same run. Peers: torch SDPA on a dense cache.
+the longest sequence, as a server sizes them for its maximum length. L2 is cold before each run:
+flushed by a 2 GiB read (cold and clean, as input rotation leaves it; the headline), and again by a
+2 GiB memset (cold, full of dirty lines whose write-back lands in the call; reported beside it,
+the method of sessions 1-9). The read roofline is measured in the same run. Peers: torch SDPA on a dense
+cache, timed both ways.
 
     python benchmarks/bench_decode.py --out benchmarks/results/decode.json [--quick]
 """
@@ -69,7 +72,7 @@ def make_case(cp, B, L, H, Hk, D, block_size, cache="float16", rng_seed=0):
     return dict(q=q, k=k, v=v, kc=kc, vc=vc, cum=cum, past=past, bt=bt, extra=extra, kv_bytes=kv_bytes)
 
 
-def bench_cupa(cp, timer, case, H, Hk, L, metadata=True, reps=30):
+def bench_cupa(cp, timer, case, H, Hk, L, metadata=True, reps=30, mode=None):
     extra = dict(case["extra"])
     scales = {k: extra.pop(k) for k in ("k_scale", "v_scale") if k in extra}
     op = cupa.PagedAttention(num_heads=H, kv_num_heads=Hk, **extra)
@@ -80,13 +83,13 @@ def bench_cupa(cp, timer, case, H, Hk, L, metadata=True, reps=30):
         op(case["q"], case["k"], case["v"], case["kc"], case["vc"], case["cum"], case["past"], case["bt"],
            attention_metadata=md, out=out, **scales)
 
-    res = timer.time_us(call, reps=reps)
+    res = timer.time_us(call, reps=reps, mode=mode)
     res["explain"] = op.explain(case["q"], case["k"], case["v"], case["kc"], case["vc"], case["cum"],
                                 case["past"], case["bt"], attention_metadata=md, **scales)
     return res
 
 
-def bench_sdpa(timer, B, L, H, Hk, D, reps=30):
+def bench_sdpa(timer, B, L, H, Hk, D, reps=30, modes=("read",)):
     try:
         import torch
         import torch.nn.functional as F
@@ -105,7 +108,7 @@ def bench_sdpa(timer, B, L, H, Hk, D, reps=30):
 
     with cp.cuda.Stream.from_external(torch.cuda.current_stream()) if hasattr(cp.cuda.Stream, "from_external") \
             else cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        res = timer.time_us(call, reps=reps)
+        res = {m: timer.time_us(call, reps=reps, mode=m) for m in modes}
     del q, k, v
     torch.cuda.empty_cache()
     return res
@@ -123,6 +126,7 @@ def main(argv=None):
     reps = 10 if args.quick else 30
     timer = Timer(cp)
     roof = read_roofline(cp, timer)
+    roof_memset = read_roofline(cp, timer, mode="memset")
     D, bs = 128, 16
     cases = [
         ("gqa32/8 B=64 L=4096", 64, 4096, 32, 8, "float16", True),
@@ -144,35 +148,44 @@ def main(argv=None):
     for name, B, L, H, Hk, cache, md in cases:
         case = make_case(cp, B, L, H, Hk, D, bs, cache)
         r = bench_cupa(cp, timer, case, H, Hk, L, metadata=md, reps=reps)
+        rm = bench_cupa(cp, timer, case, H, Hk, L, metadata=md, reps=reps, mode="memset")
+        rm.pop("explain", None)
         row = {"case": name, "B": B, "L": L, "H": H, "Hk": Hk, "D": D, "block_size": bs, "cache": cache,
-               "attention_metadata": md, "kv_bytes": case["kv_bytes"], "cupa": r,
+               "attention_metadata": md, "kv_bytes": case["kv_bytes"], "cupa": r, "cupa_memset_flush": rm,
                "cupa_tb_per_s": case["kv_bytes"] / r["median_us"] / 1e6, "spec_peers_us": SPEC_PEERS.get(name)}
         best_bw = max(best_bw, row["cupa_tb_per_s"])
         del case
         cp.get_default_memory_pool().free_all_blocks()
         if not args.no_peers and cache == "float16" and md:
-            s = bench_sdpa(timer, B, L, H, Hk, D, reps=reps)
+            s = bench_sdpa(timer, B, L, H, Hk, D, reps=reps, modes=("read", "memset"))
             if s is not None:
-                row["torch_sdpa_dense"] = s
-                row["sdpa_tb_per_s"] = row["kv_bytes"] / s["median_us"] / 1e6
+                row["torch_sdpa_dense"] = s["read"]
+                row["torch_sdpa_dense_memset_flush"] = s["memset"]
+                row["sdpa_tb_per_s"] = row["kv_bytes"] / s["read"]["median_us"] / 1e6
                 best_bw = max(best_bw, row["sdpa_tb_per_s"])
         results.append(row)
     roofline = max(roof["tb_per_s"], best_bw)
     for row in results:
         row["floor_us"] = row["kv_bytes"] / roofline / 1e6
         row["fraction_of_roofline"] = row["cupa_tb_per_s"] / roofline
-    payload = {"benchmark": "decode", "environment": environment(cp), "read_probe": roof,
-               "roofline_tb_per_s": roofline, "results": results}
+    payload = {"benchmark": "decode", "environment": environment(cp), "flush": timer.mode,
+               "read_probe": roof, "read_probe_memset_flush": roof_memset, "roofline_tb_per_s": roofline,
+               "results": results}
     write_json(args.out, payload)
-    print(f"read probe {roof['tb_per_s']:.2f} TB/s; roofline used {roofline:.2f} TB/s")
-    print(f"{'case':34s} {'cupa us':>9s} {'TB/s':>6s} {'roof%':>6s} {'floor':>7s} {'sdpa us':>8s} {'target':>7s}")
-    for row in results:
-        sd = row.get("torch_sdpa_dense", {}).get("median_us")
-        tgt = (row["spec_peers_us"] or {}).get("target_us")
-        print(f"{row['case']:34s} {row['cupa']['median_us']:9.1f} {row['cupa_tb_per_s']:6.2f} "
-              f"{100 * row['fraction_of_roofline']:5.1f}% {row['floor_us']:7.1f} "
-              f"{sd if sd is None else round(sd, 1)!s:>8s} {tgt!s:>7s}")
+    print(f"read probe {roof['tb_per_s']:.2f} TB/s ({roof_memset['tb_per_s']:.2f} after a memset flush); "
+          f"roofline used {roofline:.2f} TB/s")
+    print("L2 flushed by a read before each run; (m): by a memset, which leaves dirty lines for the call to write back")
+    print(f"{'case':34s} {'cupa us':>9s} {'(m)':>7s} {'TB/s':>6s} {'roof%':>6s} {'floor':>7s} {'sdpa us':>8s} "
+          f"{'(m)':>7s} {'target':>7s}")
 
+    def us(r):
+        return "-" if r is None else f"{r['median_us']:.1f}"
+
+    for row in results:
+        tgt = (row["spec_peers_us"] or {}).get("target_us")
+        print(f"{row['case']:34s} {row['cupa']['median_us']:9.1f} {us(row['cupa_memset_flush']):>7s} "
+              f"{row['cupa_tb_per_s']:6.2f} {100 * row['fraction_of_roofline']:5.1f}% {row['floor_us']:7.1f} "
+              f"{us(row.get('torch_sdpa_dense')):>8s} {us(row.get('torch_sdpa_dense_memset_flush')):>7s} {tgt!s:>7s}")
 
 if __name__ == "__main__":
     main()
