@@ -3,10 +3,10 @@
 Shapes of SPEC section 7 (fp16, GQA 32/8, D=128, block 16) plus MHA 32/32 and GQA 64/8, int8 and
 fp8 PER_CHANNEL caches, and a call without attention_metadata. Block tables are sized for twice
 the longest sequence, as a server sizes them for its maximum length. L2 is cold before each run:
-flushed by a 2 GiB read (cold and clean, as input rotation leaves it; the headline), and again by a
-2 GiB memset (cold, full of dirty lines whose write-back lands in the call; reported beside it,
-the method of sessions 1-9). The read roofline is measured in the same run. Peers: torch SDPA on a dense
-cache, timed both ways.
+flushed by a 2 GiB read (cold and clean, as input rotation leaves it; the headline), and again by
+a 2 GiB memset (cold, full of dirty lines whose write-back lands in the call; reported beside it,
+the method of sessions 1-9). The read roofline is measured in the same run. Peers: torch SDPA on
+a dense cache, timed both ways.
 
     python benchmarks/bench_decode.py --out benchmarks/results/decode.json [--quick]
 """
@@ -186,6 +186,7 @@ def main(argv=None):
         print(f"{row['case']:34s} {row['cupa']['median_us']:9.1f} {us(row['cupa_memset_flush']):>7s} "
               f"{row['cupa_tb_per_s']:6.2f} {100 * row['fraction_of_roofline']:5.1f}% {row['floor_us']:7.1f} "
               f"{us(row.get('torch_sdpa_dense')):>8s} {us(row.get('torch_sdpa_dense_memset_flush')):>7s} {tgt!s:>7s}")
+
 
 if __name__ == "__main__":
     main()
