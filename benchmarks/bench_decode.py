@@ -3,9 +3,9 @@
 Shapes of SPEC section 7 (fp16, GQA 32/8, D=128, block 16) plus MHA 32/32 and GQA 64/8, int8 and
 fp8 PER_CHANNEL caches, and a call without attention_metadata. Block tables are sized for twice
 the longest sequence, as a server sizes them for its maximum length. L2 is cold before each run:
-flushed by a 2 GiB read (cold and clean, as input rotation leaves it; the headline), and again by
-a 2 GiB memset (cold, full of dirty lines whose write-back lands in the call; reported beside it,
-the method of sessions 1-9). The read roofline is measured in the same run. Peers: torch SDPA on
+flushed by a 2 GiB write and read (cold and clean, as input rotation leaves it; the headline), and
+again by a 2 GiB memset (cold, full of dirty lines whose write-back lands in the call; reported
+beside it, the method of sessions 1-9). The read roofline is measured in the same run. Peers: torch SDPA on
 a dense cache, timed both ways.
 
     python benchmarks/bench_decode.py --out benchmarks/results/decode.json [--quick]
@@ -174,7 +174,8 @@ def main(argv=None):
     write_json(args.out, payload)
     print(f"read probe {roof['tb_per_s']:.2f} TB/s ({roof_memset['tb_per_s']:.2f} after a memset flush); "
           f"roofline used {roofline:.2f} TB/s")
-    print("L2 flushed by a read before each run; (m): by a memset, which leaves dirty lines for the call to write back")
+    print("L2 flushed by a write and a read before each run (cold, clean); (m): by a memset alone, which "
+          "leaves dirty lines for the call to write back")
     print(f"{'case':34s} {'cupa us':>9s} {'(m)':>7s} {'TB/s':>6s} {'roof%':>6s} {'floor':>7s} {'sdpa us':>8s} "
           f"{'(m)':>7s} {'target':>7s}")
 

@@ -3,7 +3,7 @@
 Cases (GQA 32/8 heads, D=128): fp16 causal prefill B=4 x 2048 new tokens at block 16 and block 256
 (SPEC section 7's rows), the same in bf16 and with an fp8 PER_CHANNEL cache, and a chunked prefill
 (B=8, 8192 cached + 512 new tokens). The call includes the prologue (new K/V written into the
-cache). L2 is flushed before each run (a 2 GiB read: cold and clean, see common.py).
+cache). L2 is flushed before each run (a 2 GiB write and read: cold and clean, see common.py).
 Causal FLOPs = 4*H*D*sum_b(q_b*past_b + q_b*(q_b+1)/2).
 Peer: torch SDPA on the same problem laid out densely (B, heads, len, D): is_causal=True without a
 past; with a past (chunked prefill) SDPA has no bottom-right causal mask without an explicit mask,

@@ -2,8 +2,9 @@
 
 Every benchmark times the whole call as a user makes it, with the L2 cache (60 MB on the H200) cold,
 and reports a read roofline measured in the same run. SPEC section 7 allows two ways to make L2 cold:
-rotate inputs larger than it, or flush it. The flush here reads a 2 GiB scratch buffer, so the call
-starts with no line of its inputs in L2 and no dirty line either: the state input rotation leaves.
+rotate inputs larger than it, or flush it. The flush here writes, then reads a 2 GiB scratch buffer,
+so the call starts with no line of its inputs in L2 and no dirty line either: the state input
+rotation leaves.
 A memset flush (``Timer(cp, flush="memset")``, the method of sessions 1-9) leaves L2 full of dirty
 lines, which the timed call's own reads evict: their write-back to DRAM lands inside the call and adds
 8-9 us to every call on the H200, the read probe's and torch SDPA's alike (about 40 MB at the read
@@ -63,9 +64,11 @@ class Timer:
         self.end = cp.cuda.Event()
 
     def flush(self, mode: str | None = None):
-        if (mode or self.mode) == "memset":
-            self.scratch.fill(1)
-        else:
+        # "read" writes the scratch first too: a read alone sometimes left the next timed call as slow
+        # as after a memset (in a process that had timed another case with memset flushes just before;
+        # not understood), the memset-then-read flush never did in session 10's checks.
+        self.scratch.fill(1)
+        if (mode or self.mode) != "memset":
             self.probe(self.scratch)
 
     def time_us(self, fn, reps: int = 30, warmup: int = 3, flush: bool = True, mode: str | None = None) -> dict:

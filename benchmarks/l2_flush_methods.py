@@ -3,7 +3,8 @@ L2, or flush it). Three ways, each timing the same calls:
 
 - ``memset``: a 2 GiB memset before each run (the benchmarks' flush in sessions 1-9). L2 ends up full
   of dirty lines, which the timed call's reads evict: their write-back to DRAM lands inside the call.
-- ``read``: a 2 GiB read before each run (the benchmarks' flush now): L2 cold and clean.
+- ``read``: a 2 GiB write, then a 2 GiB read before each run (the benchmarks' flush now): L2 cold
+  and clean.
 - ``rotate``: no flush; two input sets, each larger than L2, used in turn, with a 0.4 ms spin kernel
   before each run so that the host's enqueue time stays outside the timed region.
 
