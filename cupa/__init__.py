@@ -8,11 +8,12 @@ from .api import PagedAttention, paged_attention
 from .contract import Attributes, Problem
 from .errors import PagedAttentionError
 from .helpers import compute_scale, dequantize, quantize, rope_cache
+from .options import Options
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "paged_attention", "PagedAttention", "PagedAttentionError", "Attributes", "Problem",
+    "paged_attention", "PagedAttention", "PagedAttentionError", "Options", "Attributes", "Problem",
     "rope_cache", "compute_scale", "quantize", "dequantize", "capture_graph",
     "CapturedGraph", "GraphCaptureError", "__version__",
 ]

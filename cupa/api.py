@@ -9,6 +9,7 @@ from typing import Any
 from . import arrays, dispatch
 from .contract import INPUT_NAMES, Attributes, Problem, metadata_values, validate
 from .errors import PagedAttentionError, fail
+from .options import Options, resolve as _resolve_options
 
 _TENSOR_INPUTS = tuple(n for n in INPUT_NAMES if n != "attention_metadata")
 _N_INPUTS = len(INPUT_NAMES)
@@ -44,7 +45,11 @@ class PagedAttention:
         The other attributes of SPEC section 3 (``scale``, ``softcap``, ``local_window_size``,
         ``is_causal``, ``do_rotary``, ``rotary_interleaved``, ``rotary_offset``, ``qk_norm_epsilon``,
         ``k_quant_type``, ``v_quant_type``, ``k_cache_dtype``, ``v_cache_dtype``, ``kv_cache_layout``,
-        ``v_head_size``, ``qk_output``) with ONNX Runtime's defaults.
+        ``v_head_size``, ``qk_output``) with ONNX Runtime's defaults, and the cupa extension
+        ``return_lse``.
+    options : cupa.Options, optional
+        Backend, launch route, byte limits and data validation (:class:`cupa.Options`); default
+        ``cupa.Options()``.
 
     Examples
     --------
@@ -52,7 +57,8 @@ class PagedAttention:
     >>> out = op(q, k, v, key_cache, value_cache, cum, past, block_table)
     """
 
-    def __init__(self, *, num_heads: int = None, kv_num_heads: int = None, **attributes: Any):
+    def __init__(self, *, num_heads: int = None, kv_num_heads: int = None, options: Options = None,
+                 **attributes: Any):
         if attributes:
             known = Attributes.names()
             for name in sorted(attributes):
@@ -63,6 +69,7 @@ class PagedAttention:
         # num_heads / kv_num_heads default to None only so that leaving one out is a
         # PagedAttentionError naming it (Attributes rejects None), like any other violation.
         self.attributes = Attributes(num_heads=num_heads, kv_num_heads=kv_num_heads, **attributes)
+        self.options = _resolve_options(options)
         # (metadata, (type, shape, dtype) per input) -> [Problem, backend or None]; see _memo_entry()
         self._problems = {}
         self._last = (None, None)   # (key, entry) of the last memo hit or fill: checked before the dict
@@ -71,6 +78,8 @@ class PagedAttention:
         default = Attributes(num_heads=1, kv_num_heads=1)
         parts = [f"{k}={v!r}" for k, v in self.attributes.as_dict().items()
                  if k in ("num_heads", "kv_num_heads") or v != getattr(default, k)]
+        if self.options != Options():
+            parts.append(f"options={self.options!r}")
         return f"PagedAttention({', '.join(parts)})"
 
     # -- planning -----------------------------------------------------------------
@@ -126,7 +135,7 @@ class PagedAttention:
             key = entry = None
         if entry is None:
             infos = {name: _describe(name, inputs[name]) for name in _TENSOR_INPUTS}
-            entry = [validate(self.attributes, infos, mdv), None]
+            entry = [validate(self.attributes, infos, mdv, output_qk_max_bytes=self.options.output_qk_max_bytes), None]
             if key is None:
                 return entry
             if len(self._problems) >= _MEMO_SIZE:
@@ -150,14 +159,14 @@ class PagedAttention:
         backend = entry[1]
         if backend is None:
             # A mix of host and device inputs, or no backend for the problem, raises here (never memoized).
-            backend = entry[1] = dispatch.select_backend(entry[0], inputs)
+            backend = entry[1] = dispatch.select_backend(entry[0], inputs, self.options)
         return entry[0], backend, inputs
 
     def explain(self, *args, **kwargs) -> str:
         """Which backend these inputs would run on and, for every other backend, why not."""
         inputs = self._bind(args, kwargs)
         problem = self._problem(inputs)
-        return dispatch.explain(problem, inputs)
+        return dispatch.explain(problem, inputs, self.options)
 
     # -- execution ----------------------------------------------------------------
     def __call__(self, *args, out=None, stream=None, **kwargs):
@@ -169,7 +178,7 @@ class PagedAttention:
         entry = self._memo_entry(inputs)
         backend = entry[1]
         if backend is None:
-            backend = entry[1] = dispatch.select_backend(entry[0], inputs)
+            backend = entry[1] = dispatch.select_backend(entry[0], inputs, self.options)
         return backend.run(entry[0], inputs, out, stream)
 
 
@@ -183,7 +192,7 @@ def paged_attention(query, key=None, value=None, key_cache=None, value_cache=Non
                     rotary_interleaved: int = 0, rotary_offset: int = 0, qk_norm_epsilon: float = 1e-6,
                     k_quant_type: str = "NONE", v_quant_type: str = "NONE", k_cache_dtype: str = "",
                     v_cache_dtype: str = "", kv_cache_layout: str = "SEPARATE", v_head_size: int = 0,
-                    qk_output: int = 0, out=None, stream=None):
+                    qk_output: int = 0, return_lse: bool = False, out=None, stream=None, options: Options = None):
     """Paged attention with ONNX Runtime ``com.microsoft::PagedAttention`` semantics.
 
     Positional order is the ONNX input order, so ``paged_attention(*node_inputs, **node_attributes)``
@@ -220,19 +229,26 @@ def paged_attention(query, key=None, value=None, key_cache=None, value_cache=Non
         Explicit logical position of each token.
     attention_bias : (B or 1, H or 1, q_capacity, kv_capacity) array of T, optional
         Added to the scaled scores before softcap.
+    return_lse : bool, default False
+        cupa extension: also return ``lse``, float32 (N, num_heads), the natural log of the sum of
+        exp(score) over each token's admitted keys (the sink left out; -inf where no key is admitted).
     out : array, optional
         Preallocated (N, H*v_head_size) output of T in the library and device of ``query``.
     stream : optional
         CUDA stream (CuPy stream, torch stream, or a raw pointer); default: the caller's current stream.
+    options : cupa.Options, optional
+        Backend choice, launch route, byte limits, data validation; default ``cupa.Options()``.
 
     Returns
     -------
     output : (N, H*v_head_size) array of T, in the library of ``query``
     output_qk : (H, N, kv_capacity) float32, only when ``qk_output != 0``
+    lse : (N, H) float32, only when ``return_lse``
+        The outputs come back as a tuple in this order when more than ``output`` is asked for.
     """
     op = _op_for(num_heads, kv_num_heads, scale, softcap, local_window_size, is_causal, do_rotary,
                  rotary_interleaved, rotary_offset, qk_norm_epsilon, k_quant_type, v_quant_type, k_cache_dtype,
-                 v_cache_dtype, kv_cache_layout, v_head_size, qk_output)
+                 v_cache_dtype, kv_cache_layout, v_head_size, qk_output, return_lse, options)
     return op(query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens,
               block_table, cos_cache, sin_cache, slot_mapping, head_sink, q_norm_weight, k_norm_weight,
               k_scale, v_scale, attention_metadata, query_positions, attention_bias, out=out, stream=stream)
@@ -240,7 +256,8 @@ def paged_attention(query, key=None, value=None, key_cache=None, value_cache=Non
 
 _ATTRIBUTE_ORDER = ("num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "is_causal", "do_rotary",
                     "rotary_interleaved", "rotary_offset", "qk_norm_epsilon", "k_quant_type", "v_quant_type",
-                    "k_cache_dtype", "v_cache_dtype", "kv_cache_layout", "v_head_size", "qk_output")
+                    "k_cache_dtype", "v_cache_dtype", "kv_cache_layout", "v_head_size", "qk_output", "return_lse",
+                    "options")
 
 
 @functools.lru_cache(maxsize=64, typed=True)

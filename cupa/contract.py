@@ -78,6 +78,8 @@ class Attributes:
     kv_cache_layout: str = "SEPARATE"
     v_head_size: int = 0
     qk_output: int = 0
+    #: cupa extension (not an ONNX attribute): also return the softmax log-sum-exp of every (token, head)
+    return_lse: bool = False
 
     def __post_init__(self):
         def integer(name, low=None):
@@ -158,6 +160,9 @@ class Attributes:
         integer("qk_output")
         if self.qk_output not in (0, 1, 2):
             raise fail("qk_output", self.qk_output, "0 (off), 1 (scores) or 2 (probabilities)")
+        if self.return_lse not in (0, 1) or not isinstance(self.return_lse, (bool, int, np.integer)):
+            raise fail("return_lse", repr(self.return_lse), "True or False")
+        object.__setattr__(self, "return_lse", bool(self.return_lse))
         if self.kv_cache_layout == "LATENT":
             if self.kv_num_heads != 1:
                 raise fail("kv_num_heads", self.kv_num_heads, "1 in LATENT layout (one shared latent head)")
@@ -229,12 +234,13 @@ class Problem:
         return (self.num_heads, self.token_count, self.kv_capacity)
 
     @property
+    def lse_shape(self) -> tuple:
+        return (self.token_count, self.num_heads)
+
+    @property
     def quantized(self) -> bool:
         return self.cache_kind != "T"
 
-
-#: output_qk larger than this many bytes is refused (seed 11.2: "a configurable byte threshold").
-QK_OUTPUT_MAX_BYTES = 1 << 34
 
 _INT32_MAX = (1 << 31) - 1
 
@@ -318,12 +324,13 @@ def metadata_values(md) -> Optional[tuple]:
 
 
 def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
-             metadata: Optional[Sequence[int]] = None) -> Problem:
+             metadata: Optional[Sequence[int]] = None, *, output_qk_max_bytes: int = 1 << 34) -> Problem:
     """Check every shape/dtype/attribute rule and derive the :class:`Problem`.
 
     ``infos`` maps input names (``INPUT_NAMES`` minus attention_metadata) to an
     :class:`ArrayInfo` or None when absent; ``metadata`` is the already-read host
-    values of attention_metadata (see :func:`metadata_values`) or None.
+    values of attention_metadata (see :func:`metadata_values`) or None;
+    ``output_qk_max_bytes`` is :attr:`cupa.Options.output_qk_max_bytes`.
     """
     a = attrs
     H, Hk = a.num_heads, a.kv_num_heads
@@ -546,11 +553,11 @@ def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
     mk = min(md[1], static_cap) if md and md[1] else static_cap
     mkl = min(md[2], mk) if md and len(md) > 2 else 0
 
-    if a.qk_output and N * H * mk * 4 > QK_OUTPUT_MAX_BYTES:
+    if a.qk_output and N * H * mk * 4 > output_qk_max_bytes:
         raise fail("qk_output", a.qk_output,
-                   f"an output_qk of at most {QK_OUTPUT_MAX_BYTES} bytes (num_heads*token_count*kv_capacity = "
+                   f"an output_qk of at most {output_qk_max_bytes} bytes (num_heads*token_count*kv_capacity = "
                    f"{H}*{N}*{mk} float32 = {N * H * mk * 4} bytes); give a smaller attention_metadata "
-                   "max_kv_len_bound or raise cupa.contract.QK_OUTPUT_MAX_BYTES")
+                   "max_kv_len_bound or raise cupa.Options(output_qk_max_bytes=...)")
 
     return Problem(
         attrs=a, token_count=N, batch_size=B, num_heads=H, kv_num_heads=Hk, head_size=D, v_head_size=Dv,

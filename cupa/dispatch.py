@@ -48,12 +48,31 @@ def _prefers(backend, problem: Problem) -> bool:
     return pref is None or pref(problem)
 
 
-def select_backend(problem: Problem, inputs: dict):
+def select_backend(problem: Problem, inputs: dict, options=None):
+    from .options import resolve
+
+    options = resolve(options)
     if is_host_call(inputs):
         from .reference import BACKEND
 
+        if options.backend not in ("auto", "reference"):
+            raise fail("options.backend", repr(options.backend),
+                       "'auto' or 'reference' for host (NumPy) inputs: CUDA backends take device arrays")
         return BACKEND
+    if options.backend == "reference":
+        raise fail("options.backend", "'reference'", "a CUDA backend or 'auto' for device inputs: cupa never "
+                   "falls back to the CPU")
     backends = cuda_backends()
+    if options.backend != "auto":
+        named = [b for b in backends if b.name == options.backend]
+        if not named:
+            raise fail("options.backend", repr(options.backend), "a backend available here: "
+                       + ", ".join(repr(b.name) for b in backends))
+        reasons = named[0].not_supported_reasons(problem)
+        if reasons:
+            raise PagedAttentionError(f"options.backend: {options.backend!r} cannot serve this call: "
+                                      + "; ".join(reasons))
+        return named[0]
     supported = [b for b in backends if not b.not_supported_reasons(problem)]
     for b in supported:
         if _prefers(b, problem):
@@ -66,14 +85,17 @@ def select_backend(problem: Problem, inputs: dict):
                               "cupa never falls back to the CPU for device inputs")
 
 
-def explain(problem: Problem, inputs: dict) -> str:
+def explain(problem: Problem, inputs: dict, options=None) -> str:
     """A human-readable account of the backend choice."""
-    lines = []
+    from .options import resolve
+
+    options = resolve(options)
+    lines = [f"options: {options!r}"]
     if is_host_call(inputs):
         lines.append("reference: chosen (NumPy inputs run the float64 NumPy reference on the CPU)")
         lines.append("CUDA backends: not considered (inputs are host arrays)")
         return "\n".join(lines)
-    chosen = select_backend(problem, inputs)
+    chosen = select_backend(problem, inputs, options)
     for b in cuda_backends():
         reasons = b.not_supported_reasons(problem)
         if b is chosen:

@@ -143,8 +143,14 @@ def _run(pb: Problem, inputs: dict, out):
 
     result = out_arr if out_arr is not None else np.empty(pb.output_shape, dtype=T)
     qk = np.zeros(pb.output_qk_shape, dtype=np.float32) if a.qk_output else None
+    lse = np.full(pb.lse_shape, -np.inf, dtype=np.float32) if a.return_lse else None
+
+    def outputs():
+        extra = tuple(x for x in (qk, lse) if x is not None)
+        return (result, *extra) if extra else result
+
     if N == 0:
-        return (result, qk) if a.qk_output else result
+        return outputs()
 
     # --- split (packed QKV / separate / latent) -----------------------------------------------
     query = np.asarray(x["query"])
@@ -308,6 +314,10 @@ def _run(pb: Problem, inputs: dict, out):
         s5 -= mx
         np.exp(s5, out=s5)                                            # masked: exp(-inf) = 0
         den = s5.sum(axis=-1, keepdims=True)
+        if lse is not None:                                           # log-sum-exp over the keys, sink left out
+            with np.errstate(divide="ignore"):
+                l5 = (np.log(den) + mx)[..., 0]                       # (U, Hk, M, G); -inf where no key
+            lse[toks] = l5.transpose(0, 2, 1, 3).reshape(U, M, H)[real]
         if sink is not None:
             den += np.exp(sk - mx)
         den[den == 0] = 1.0
@@ -351,4 +361,4 @@ def _run(pb: Problem, inputs: dict, out):
                 chunk(grid[r0:r0 + R], real[r0:r0 + R])
 
     result[...] = out64.reshape(N, H * Dv).astype(T)
-    return (result, qk) if a.qk_output else result
+    return outputs()

@@ -37,7 +37,7 @@ def problem_of(rng, **kw):
 
 def chosen(rng, **kw) -> str:
     problem, inputs = problem_of(rng, **kw)
-    return dispatch.select_backend(problem, inputs).name
+    return dispatch.select_backend(problem, inputs, None).name
 
 
 def explain(rng, **kw) -> str:

@@ -108,16 +108,17 @@ _STUB_BACKEND = object()
 def check(request, monkeypatch):
     """``check(attrs, infos, metadata=None, **more_attrs) -> Problem`` through one of the two paths."""
 
-    def no_backend(problem, inputs):   # validation passed: stand in for any backend
+    def no_backend(problem, inputs, options=None):   # validation passed: stand in for any backend
         return _STUB_BACKEND
 
     monkeypatch.setattr(dispatch, "select_backend", no_backend)
 
-    def run(attrs, infos, metadata=None, **more_attrs):
+    def run(attrs, infos, metadata=None, options=None, **more_attrs):
         attrs = {**attrs, **more_attrs}
         if request.param == "validate":
-            return validate(Attributes(**attrs), infos, metadata_values(metadata))
-        op = PagedAttention(**attrs)
+            limit = (options or cupa.Options()).output_qk_max_bytes
+            return validate(Attributes(**attrs), infos, metadata_values(metadata), output_qk_max_bytes=limit)
+        op = PagedAttention(**attrs, options=options)
         arrays = {name: _array(info) for name, info in infos.items() if info is not None}
         problem, backend, inputs = op.plan(**arrays, attention_metadata=metadata)
         assert backend is _STUB_BACKEND
@@ -943,16 +944,14 @@ def test_attention_metadata_type(check):
 # ---------------------------------------------------------------------------------------------
 # output_qk (seed 11.2): a configurable byte threshold
 
-def test_output_qk_size_limit_exceeded(check, monkeypatch):
-    monkeypatch.setattr(contract, "QK_OUTPUT_MAX_BYTES", 900)
+def test_output_qk_size_limit_exceeded(check):
     with raises("qk_output", "2", "; expected an output_qk of at most 900 bytes", "4*5*12 float32 = 960 bytes",
                 "attention_metadata"):
-        check(*separate(), qk_output=2)
+        check(*separate(), qk_output=2, options=cupa.Options(output_qk_max_bytes=900))
 
 
-def test_output_qk_size_uses_metadata_bound(check, monkeypatch):
-    monkeypatch.setattr(contract, "QK_OUTPUT_MAX_BYTES", 900)
-    p = check(*separate(), [0, 8], qk_output=1)   # 4*5*8*4 = 640 bytes
+def test_output_qk_size_uses_metadata_bound(check):
+    p = check(*separate(), [0, 8], qk_output=1, options=cupa.Options(output_qk_max_bytes=900))   # 4*5*8*4 = 640 bytes
     assert p.output_qk_shape == (H, N, 8)
 
 
@@ -960,7 +959,7 @@ def test_output_qk_size_uses_metadata_bound(check, monkeypatch):
 # the memo in PagedAttention never hides a violation
 
 def test_memoized_plan_still_validates(monkeypatch):
-    monkeypatch.setattr(dispatch, "select_backend", lambda problem, inputs: _STUB_BACKEND)
+    monkeypatch.setattr(dispatch, "select_backend", lambda problem, inputs, options=None: _STUB_BACKEND)
     op, arrs = _op_and_arrays()
     p1 = op.plan(**arrs)[0]
     assert op.plan(**arrs)[0] is p1                    # same shapes: the memoized Problem

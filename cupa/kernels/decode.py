@@ -94,6 +94,8 @@ class DecodeBackend:
             reasons.append("attention_bias is not served by a CUDA backend yet")
         if p.attrs.qk_output:
             reasons.append("output_qk (qk_output != 0) is not served by a CUDA backend yet")
+        if p.attrs.return_lse:
+            reasons.append("return_lse is not served by this backend yet")
         if p.head_size > 256:
             reasons.append(f"head_size {p.head_size} > 256")
         return reasons

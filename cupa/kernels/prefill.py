@@ -126,6 +126,8 @@ class PrefillBackend:
             reasons.append("attention_bias is not served by the prefill backend yet")
         if p.attrs.qk_output:
             reasons.append("output_qk (qk_output != 0) is not served by the prefill backend yet")
+        if p.attrs.return_lse:
+            reasons.append("return_lse is not served by this backend yet")
         if p.dtype not in PREFILL_DTYPES:
             reasons.append(f"T={p.dtype}: the tensor-core prefill takes float16 or bfloat16")
         if p.head_size not in PREFILL_HEAD_SIZES:

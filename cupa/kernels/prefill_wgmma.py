@@ -220,6 +220,8 @@ class PrefillWgmmaBackend(PrefillBackend):
             reasons.append("attention_bias is not served by the wgmma prefill")
         if p.attrs.qk_output:
             reasons.append("output_qk (qk_output != 0) is not served by the wgmma prefill")
+        if p.attrs.return_lse:
+            reasons.append("return_lse is not served by this backend yet")
         if p.dtype not in WGMMA_DTYPES:
             reasons.append(f"T={p.dtype}: the wgmma prefill takes float16 or bfloat16")
         if p.quantized:
