@@ -1,0 +1,202 @@
+"""Host time of the serving toolkit (cupa.serving) on one CPU core; no GPU, no attention.
+
+Per step of a continuous batch: ``append_decode`` (one token for every decoding sequence), ``append``
+(one chunk of a chunked prefill), ``build_step`` (the op inputs, NumPy arrays on the host), for 256
+running sequences with contexts up to 32k tokens in blocks of 16. Cases: full attention only; the
+two layer groups of GPT-OSS (full attention and sliding-window-128 layers, evicting; the host work
+is per group, not per layer); prefix caching on and off. Also one block-pool operation (allocate + free, share, prefix-cache hit) and the bookkeeping
+memory (O(blocks): bytes per block of the pool).
+
+Targets (issue 19): build_step <= 100 us per step, a pool operation <= 2 us.
+
+    python benchmarks/bench_serving_host.py [--steps 400] [--out benchmarks/results/serving_host_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import timeit
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from cupa import serving  # noqa: E402
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _pin_one_core():
+    if hasattr(os, "sched_setaffinity"):
+        cpu = min(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpu})
+        return cpu
+    return None
+
+
+def _summary(samples_ns: list) -> dict:
+    us = sorted(x / 1e3 for x in samples_ns)
+    return {"median_us": statistics.median(us), "p90_us": us[int(0.9 * (len(us) - 1))], "min_us": us[0],
+            "samples": len(us)}
+
+
+def bench_steps(*, kinds, seqs: int, block_size: int, max_context: int, chunk: int, steps: int, prefix: bool,
+                rng) -> dict:
+    """``steps`` steps of ``seqs - 1`` decoding sequences (contexts uniform up to max_context) and one
+    sequence prefilling ``chunk`` tokens per step (restarted when it reaches max_context)."""
+    lengths = rng.integers(max_context // 64, max_context - steps - 1, seqs - 1)
+    cache = serving.KVCache(kinds, kv_num_heads=1, head_size=8, dtype="float16", block_size=block_size,
+                            num_blocks=int(lengths.sum() // block_size + seqs * (steps // block_size + 4)
+                                           + 4 * max_context // block_size))
+    m = serving.KVCacheManager(cache, max_num_seqs=seqs, max_model_len=max_context,
+                               max_num_batched_tokens=max_context, enable_prefix_caching=prefix)
+    for i, n in enumerate(lengths.tolist()):           # the running batch, built once
+        m.add(i)
+        m.append(i, rng.integers(0, 32000, n) if prefix else n)
+        m.build_step()
+    m.add("prefill")
+    decoding = np.ones(seqs, dtype=bool)                # the row mask of append_decode: all but the prefill
+    decoding[m.seq_ids.index("prefill")] = False
+    prompt = rng.integers(0, 32000, max_context - 1)
+    sent = 0
+    t_dec, t_app, t_build, t_total = [], [], [], []
+    tokens = rng.integers(0, 32000, seqs - 1)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(steps):
+            if sent + chunk > len(prompt):              # the prefill is done: a new one takes the same row
+                m.finish("prefill")
+                m.add("prefill")
+                sent = 0
+                assert m.seq_ids[-1] == "prefill" and not decoding[-1]
+            piece = prompt[sent:sent + chunk]
+            t0 = time.perf_counter_ns()
+            m.append_decode(tokens, decoding)
+            t1 = time.perf_counter_ns()
+            m.append("prefill", piece if prefix else len(piece))
+            t2 = time.perf_counter_ns()
+            step = m.build_step()
+            t3 = time.perf_counter_ns()
+            sent += chunk
+            t_dec.append(t1 - t0)
+            t_app.append(t2 - t1)
+            t_build.append(t3 - t2)
+            t_total.append(t3 - t0)
+    finally:
+        gc.enable()
+    ctx = step.seq_lens
+    return {
+        "layers": ", ".join(f"{len(g.layers)} x {g.kind}" for g in cache.groups),
+        "groups": len(cache.groups), "prefix_caching": prefix, "running_sequences": seqs,
+        "decode_sequences": seqs - 1, "prefill_chunk": chunk, "token_count": step.token_count,
+        "block_size": block_size, "context_max": int(ctx.max()), "context_mean": float(ctx.mean()),
+        "block_table_shape": list(step.block_tables[0].shape),
+        "build_step": _summary(t_build), "append_decode": _summary(t_dec), "append_chunk": _summary(t_app),
+        "step_total": _summary(t_total),
+        "bookkeeping_bytes": m.bookkeeping_bytes(), "pool_blocks": m.pool.num_blocks,
+        "bookkeeping_bytes_per_block": m.bookkeeping_bytes() / m.pool.num_blocks,
+        "cached_tokens": int(ctx.sum()),
+    }
+
+
+def bench_pool(num_blocks: int, reps: int) -> dict:
+    """One pool operation: allocate_one + free, share + free, and a prefix-cache hit (acquire + free)."""
+    pool = serving.BlockPool(num_blocks)
+    held = pool.allocate(num_blocks // 2)               # a half-full pool
+    pool.register_many(held[:1000], list(range(1000)))
+    out = {}
+
+    def run(name, fn, ops_per_call):
+        fn()
+        samples = []
+        for _ in range(7):
+            t0 = time.perf_counter_ns()
+            for _ in range(reps):
+                fn()
+            samples.append((time.perf_counter_ns() - t0) / reps / ops_per_call)
+        out[name] = {"median_us": statistics.median(samples) / 1e3, "min_us": min(samples) / 1e3}
+
+    def alloc_free():
+        pool.free([pool.allocate_one()])
+
+    def share_free():
+        pool.share(held[5])
+        pool.free([held[5]])
+
+    def hit_free():
+        pool.free([pool.acquire(7)])
+
+    def sixteen():
+        pool.free(pool.allocate(16))
+
+    run("allocate_one + free (per pair)", alloc_free, 1)
+    run("share + free (per pair)", share_free, 1)
+    run("acquire (prefix hit) + free (per pair)", hit_free, 1)
+    run("allocate(16) + free(16) (per block)", sixteen, 16)
+    pool.check()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-context", type=int, default=32768)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--pool-reps", type=int, default=20000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    cpu = _pin_one_core()
+    a, idx = np.zeros(257, np.int32), np.arange(256)
+    calib = statistics.median(timeit.repeat(lambda: a[idx], number=2000, repeat=7)) / 2000 * 1e6
+    full = serving.full_attention()
+    window = serving.sliding_window(128, "evict")
+    cases = [("full attention", [full], False), ("full attention, prefix caching", [full], True),
+             ("GPT-OSS groups (full + window 128 evict)", [full, window], False),
+             ("GPT-OSS groups, prefix caching", [full, window], True)]
+    results = {"environment": {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
+                               "numpy": np.__version__, "cpu": _cpu_model(), "pinned_cpu": cpu,
+                               "numpy_fancy_index_256_us": calib,
+                               "note": "one core; other processes may share the machine (numpy_fancy_index_256_us "
+                                       "is one NumPy fancy index of 256 int32 in the same run, for scale)"},
+               "targets": {"build_step_us": 100, "pool_operation_us": 2},
+               "steps": {}, "pool": None}
+    for name, kinds, prefix in cases:
+        r = bench_steps(kinds=kinds, seqs=args.seqs, block_size=args.block_size, max_context=args.max_context,
+                        chunk=args.chunk, steps=args.steps, prefix=prefix, rng=np.random.default_rng(args.seed))
+        results["steps"][name] = r
+        print(f"{name:45s} build_step {r['build_step']['median_us']:6.1f} us (p90 {r['build_step']['p90_us']:6.1f})"
+              f"  append_decode {r['append_decode']['median_us']:6.1f}  append chunk {r['append_chunk']['median_us']:6.1f}"
+              f"  total {r['step_total']['median_us']:6.1f} us  N={r['token_count']}"
+              f"  bookkeeping {r['bookkeeping_bytes'] / 2**20:.1f} MiB ({r['bookkeeping_bytes_per_block']:.0f} B/block)")
+    results["pool"] = bench_pool(1 << 19, args.pool_reps)
+    for name, r in results["pool"].items():
+        print(f"pool {name:40s} {r['median_us']:.3f} us")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
