@@ -403,6 +403,55 @@ def test_fork_copies_the_partial_block_by_device_copy(rng, monkeypatch, xp):
     assert d.m.num_used_blocks == 0
 
 
+def test_rollback_into_a_shared_block_copies_it_first(rng, monkeypatch):
+    """A block filled by drafts, registered and mapped by another sequence, then reopened by a
+    rollback: the rolled-back sequence gets a device copy, the other keeps the original."""
+    H = 2
+    model = ToyModel(rng, 1, H, 1, 8, "float32")
+    d = Driver(rng, model, H, dict(layers=1, kv_num_heads=1, head_size=8, dtype="float32", block_size=4,
+                                   num_blocks=20), dict(max_num_seqs=4, max_model_len=40))
+    spy = _CopySpy(d.cache.lib)
+    monkeypatch.setattr(d.cache.lib, "copy_blocks", spy)
+    d.append("a", d.add("a", rng.integers(0, 90, 8))[1])
+    d.step()
+    d.append("a", rng.integers(0, 90, 4))                 # drafts fill block 2
+    d.step()
+    shared = int(d.m.block_table("a")[2])
+    cached, rest = d.add("b", d.tokens["a"] + [5])
+    assert cached == 12 and d.m.pool.ref_count(shared) == 2
+    d.rollback("a", 2)
+    own = int(d.m.block_table("a")[2])
+    assert own != shared and spy.calls == [([shared], [own])] * 2
+    assert d.m.pool.ref_count(shared) == 1 and d.m.pool.ref_count(own) == 1
+    assert d.m.pool.key_of(own) is None and d.m.pool.key_of(shared) is not None
+    d.append("a", rng.integers(0, 90, 1))
+    d.append("b", rest)
+    for _ in range(4):
+        step, _, outs = d.step()
+        d.check_dense(step, outs)
+        d.m.check()
+        d.append_decode()
+
+
+def test_preempted_sequence_resumes_from_its_cached_blocks(rng):
+    H = 2
+    model = ToyModel(rng, 1, H, 1, 8, "float32")
+    d = Driver(rng, model, H, dict(layers=1, kv_num_heads=1, head_size=8, dtype="float32", block_size=4,
+                                   num_blocks=20), dict(max_num_seqs=4, max_model_len=40))
+    d.append("a", d.add("a", rng.integers(0, 90, 10))[1])
+    d.step()
+    for _ in range(3):
+        d.append_decode()
+        d.step()
+    tokens = d.preempt("a")                              # 13 tokens: 3 full blocks registered
+    assert len(tokens) == 13 and d.m.num_used_blocks == 0 and d.m.pool.num_cached == 3
+    cached, rest = d.add("a", tokens)
+    assert cached == 12 and rest == tokens[12:]
+    d.append("a", rest)
+    step, _, outs = d.step()
+    d.check_dense(step, outs)
+
+
 # ---------------------------------------------------------------------------------------------- simulation
 
 SIM_LAYERS = {
@@ -529,3 +578,57 @@ def test_capture_graph_replays_decode_steps_from_fixed_buffers(rng):
         if i == 20:
             d.finish(1)
     graph.close()
+
+
+# ---------------------------------------------------------------------------------------------- GPU libraries
+
+@pytest.mark.gpu
+def test_cupy_cache_from_free_memory_and_fp8_bytes():
+    cp = pytest.importorskip("cupy")
+    free, _ = cp.cuda.runtime.memGetInfo()
+    cache = serving.KVCache(4, kv_num_heads=8, head_size=128, dtype="float16", cache_dtype="float8e4m3fn",
+                            block_size=16, memory_fraction=0.02, library="cupy")
+    assert 0 < cache.nbytes <= 0.02 * free and cache.num_blocks == int(0.02 * free) // cache.bytes_per_block
+    assert cache.key_caches[0].dtype == cp.uint8 and cache.attributes(0)["k_cache_dtype"] == "float8e4m3fn"
+    assert isinstance(cache.k_scales[0], cp.ndarray)
+
+
+@pytest.mark.gpu
+def test_torch_cuda_steps_match_the_numpy_reference(rng):
+    """The same steps with torch CUDA caches and step arrays (the CUDA backends) and with NumPy ones
+    (the reference): SPEC section 6 tolerance at every step, every layer."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    H, D = 8, 64
+    model = ToyModel(rng, 2, H, 2, D, "float16")
+    kinds = [serving.full_attention(), serving.sliding_window(20, "evict")]
+    runs = {}
+    for library in ("numpy", "torch"):
+        cache = serving.KVCache(kinds, kv_num_heads=2, head_size=D, dtype="float16", block_size=16, num_blocks=64,
+                                library=library, device="cuda" if library == "torch" else None)
+        runs[library] = (cache, serving.KVCacheManager(cache, max_num_seqs=4, max_model_len=128),
+                         [cupa.PagedAttention(num_heads=H, **cache.attributes(l)) for l in range(2)])
+    lengths = {0: 30, 1: 5, 2: 17}
+    tokens = {s: rng.integers(0, 90, n).tolist() for s, n in lengths.items()}
+    for s in tokens:
+        for _, m, _ in runs.values():
+            m.add(s)
+            m.append(s, tokens[s])
+    for i in range(12):
+        outs = {}
+        for library, (cache, m, ops) in runs.items():
+            step = m.build_step()
+            pos = to_host(step.query_positions).astype(np.int64)
+            packed = np.concatenate([np.asarray(tokens[s][len(tokens[s]) - int(n):], np.int64)
+                                     for s, n in zip(step.seq_ids, step.query_lens)])
+            put = (lambda a: torch.from_numpy(a).cuda()) if library == "torch" else (lambda a: a)
+            outs[library] = [to_host(step.attention(ops[l], l, *(put(x) for x in model.qkv(l, packed, pos))))
+                             for l in range(2)]
+        for layer in range(2):
+            util.assert_rel(outs["torch"][layer], outs["numpy"][layer], "float16", what=f"step {i} layer {layer}")
+        new = rng.integers(0, 90, 3).tolist()
+        for s, t in zip(sorted(tokens), new):
+            tokens[s].append(t)
+        for _, m, _ in runs.values():
+            m.append_decode(new)

@@ -18,8 +18,8 @@ A step's life::
     m.rollback("a", rejected)              # speculative tokens that were not accepted
     m.finish("b")                          # or m.preempt("b"): blocks go back to the pool
 
-Prefix sharing: full blocks are registered in the pool under ``(group, hash chain of their
-tokens)`` when the step that writes them is built (any step that maps them is built later, so it
+Prefix sharing: full blocks are registered in the pool under the hash chain of their tokens (in
+their layer group's namespace) when the step that writes them is built (any step that maps them is built later, so it
 runs after the write on the stream). A block a sequence writes into is never shared: a hit maps
 only full blocks, ``fork`` copies the partially filled last block (a device copy), and a rollback
 into a shared block copies it first.
@@ -156,10 +156,12 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks an allocation can take (free ones, cached ones included)."""
         return self.pool.num_free
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks mapped by at least one running sequence (a shared block counts once)."""
         return self.pool.num_used
 
     def __contains__(self, seq_id) -> bool:
@@ -195,10 +197,6 @@ class KVCacheManager:
                 lo = max(0, int(self._computed[r]) - g.kind.window + 1) // self.block_size
                 n = min(n, (lo + self._ring_n[g.index]) * self.block_size - start)
         return max(0, n)
-
-    def blocks_in_use(self) -> int:
-        """Blocks mapped by at least one running sequence (the pool's used count)."""
-        return self.pool.num_used
 
     def bookkeeping_bytes(self) -> int:
         """Host memory of the manager and its pool (the caches excluded): O(blocks + rows), no per-token state.
