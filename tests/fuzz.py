@@ -131,13 +131,25 @@ def backends_for(inputs, attrs, metadata) -> list:
     return [b.name for b in dispatch.cuda_backends() if not b.not_supported_reasons(problem, device, options)]
 
 
-def check_one(seed: int) -> dict:
-    """Run configuration ``seed`` on every serving backend; returns its log record (``ok`` and errors)."""
+MALFORMED = ("negative past", "block id out of range", "decreasing cum", "kv_len beyond the table", "bad position",
+             "empty cache", "slot_mapping")
+
+
+def is_malformed(desc: dict) -> bool:
+    return any(n in MALFORMED for n in desc["notes"])
+
+
+def check_one(seed: int, only=None, malformed_only: bool = False) -> dict:
+    """Run configuration ``seed`` on every serving backend (or only on ``only``); returns its log record
+    (``ok`` and errors). ``malformed_only``: skip (``skipped``) configurations with well-formed data."""
     import cupy as cp
 
     inputs, attrs, metadata, desc = draw(seed)
     record = dict(desc, backends={}, ok=True)
-    names = backends_for(inputs, attrs, metadata)
+    if malformed_only and not is_malformed(desc):
+        record["skipped"] = True
+        return record
+    names = [n for n in backends_for(inputs, attrs, metadata) if only is None or n == only]
     if not names:
         record["backends"]["(none)"] = "no CUDA backend serves it"
         return record
@@ -178,10 +190,15 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=2000, help="configurations (default 2000)")
     ap.add_argument("--seed", type=int, default=1, help="seed of the first configuration (then +1 each)")
     ap.add_argument("--out", default=None, help="JSON log of every configuration")
+    ap.add_argument("--backend", default=None, help="run only this backend (default: every one that serves)")
+    ap.add_argument("--malformed", action="store_true",
+                    help="only configurations with malformed data or skipped slots (for compute-sanitizer)")
     args = ap.parse_args(argv)
     records, start = [], time.perf_counter()
     for seed in range(args.seed, args.seed + args.n):
-        r = check_one(seed)
+        r = check_one(seed, args.backend, args.malformed)
+        if r.get("skipped"):
+            continue
         records.append(r)
         if not r["ok"]:
             print(f"MISMATCH seed {seed}: {json.dumps(r)}", flush=True)
