@@ -188,7 +188,8 @@ def summary_lines(payload: dict) -> list:
     for suite in _suites(payload):
         recs = [r for r in payload["cases"] if r["suite"] == suite]
         cols = _columns(recs)
-        head = [f"{suite:<44s}", f"{'backend':>13s}", f"{'cupa':>11s}", f"{'rate':>14s}", f"{'roof':>5s}"]
+        width = min(70, max(len(suite), *(len(r["case"]) for r in recs)))
+        head = [f"{suite:<{width}s}", f"{'backend':>13s}", f"{'cupa':>11s}", f"{'rate':>14s}", f"{'roof':>5s}"]
         head += [f"{name:>22s}" for _, name in cols]
         if cmp_index:
             head.append(f"{'vs base':>8s}")
@@ -196,7 +197,7 @@ def summary_lines(payload: dict) -> list:
         for rec in recs:
             us, thr, frac = _headline(rec)
             backend = (rec.get("cupa") or {}).get("backend", "")
-            row = [f"{rec['case'][:44]:<44s}", f"{backend:>13s}", f"{us:>11s}", f"{thr:>14s}", f"{frac:>5s}"]
+            row = [f"{rec['case'][:width]:<{width}s}", f"{backend:>13s}", f"{us:>11s}", f"{thr:>14s}", f"{frac:>5s}"]
             row += [f"{_cell(_entry(rec, kind, name)):>22s}" for kind, name in cols]
             if cmp_index:
                 c = cmp_index.get(rec["id"])

@@ -18,7 +18,7 @@ import numpy as np
 
 from .timing import CpuTimer, Timer
 
-__all__ = ["Runtime", "CudaRuntime", "NumpyRuntime", "environment", "package_version"]
+__all__ = ["Runtime", "CudaRuntime", "NumpyRuntime", "environment", "cuda_environment", "package_version"]
 
 #: GEMM probe size: M = N = K (bf16 in, fp32 accumulate): 1.1 TFLOP, ~1.5 ms on an H200.
 GEMM_SIZE = 8192
@@ -142,18 +142,7 @@ class CudaRuntime(Runtime):
         return t
 
     def environment(self) -> dict:
-        cp = self.cp
-        dev = cp.cuda.Device()
-        props = cp.cuda.runtime.getDeviceProperties(dev.id)
-        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        info = environment()
-        info["machine"].update(device=name, compute_capability=f"{props['major']}.{props['minor']}",
-                               sm_count=dev.attributes["MultiProcessorCount"],
-                               memory_gib=round(props["totalGlobalMem"] / 2**30, 1),
-                               l2_bytes=int(props.get("l2CacheSize", 0)))
-        info["versions"].update(cuda_runtime=cp.cuda.runtime.runtimeGetVersion(),
-                                cuda_driver=cp.cuda.runtime.driverGetVersion())
-        return info
+        return cuda_environment(self.cp)
 
 
 class NumpyRuntime(Runtime):
@@ -201,6 +190,21 @@ def _torch_cuda():
     except Exception:  # a broken install
         return None
     return torch if torch.cuda.is_available() else None
+
+
+def cuda_environment(cp) -> dict:
+    """:func:`environment` plus the current CUDA device and the CUDA runtime and driver versions."""
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    info = environment()
+    info["machine"].update(device=name, compute_capability=f"{props['major']}.{props['minor']}",
+                           sm_count=dev.attributes["MultiProcessorCount"],
+                           memory_gib=round(props["totalGlobalMem"] / 2**30, 1),
+                           l2_bytes=int(props.get("l2CacheSize", 0)))
+    info["versions"].update(cuda_runtime=cp.cuda.runtime.runtimeGetVersion(),
+                            cuda_driver=cp.cuda.runtime.driverGetVersion())
+    return info
 
 
 def environment() -> dict:

@@ -10,9 +10,10 @@ serving toolkit's step builder.
   kernel so that perf_counter sees Python and launch API time only: CuPy with and without ``out=``
   and attention_metadata, ``op.plan`` alone, ``cupa.paged_attention()``, PyTorch tensors, a graph
   replay, and the driver floor (the call's launches replayed alone): ``python_us`` = a row minus the
-  floor. Rows are measured in turn, seven rounds over (the host's speed drifts). Without a device,
-  the same call path runs against the test suite's fake CuPy (``tests/test_launch_fastpath.py``,
-  present in a source checkout): cupa's own Python per call.
+  floor. Rows are measured in turn, seven rounds over (the host's speed drifts), with the process
+  pinned to one CPU. Without a device, the same call path runs against the test suite's fake CuPy
+  (``tests/test_launch_fastpath.py``, present in a source checkout): cupa's own Python per call, both
+  launch routes (``Options(launch=...)``), beside the fake's own floor.
 - serving: the host cost of ``cupa.serving``'s step builder. The toolkit provides the cases:
   ``cupa.serving.benchmark_cases(size)`` returns ``(name, fn, params)`` triples, ``size`` being
   "full", "quick" or "smoke"; each ``fn()`` is one host operation, timed here as the median over
@@ -21,7 +22,9 @@ serving toolkit's step builder.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import statistics
 import time
 from typing import Optional
@@ -145,9 +148,11 @@ class HostSuite(Suite):
         return None
 
     def run(self, step: Step, ctx: Context) -> list:
-        if ctx.runtime.on_device:
-            return self._device_rows(ctx)
-        return self._fake_rows(ctx)
+        with _pinned_to_one_cpu() as cpu:
+            rows = self._device_rows(ctx) if ctx.runtime.on_device else self._fake_rows(ctx)
+        for rec in rows:
+            rec.setdefault("details", {})["pinned_cpu"] = cpu
+        return rows
 
     def _device_rows(self, ctx: Context) -> list:
         rt = ctx.runtime
@@ -212,23 +217,69 @@ class HostSuite(Suite):
             with fastpath.fake_cupy(fake, mode):
                 fake.record = False
                 for label, B, L in (("tiny B=1 L=16", 1, 16), ("B=8 L=4096 (split)", 8, 4096)):
-                    x, attrs = fastpath.fake_case(fake, B=B, L=L, H=_H, Hk=_HK, D=_D, bs=_BS)
-                    names = ("query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length",
-                             "past_seqlens", "block_table")
-                    args = tuple(x[n] for n in names)
-                    op = cupa.PagedAttention(**attrs, options=cupa.Options(launch=mode))
-                    out = fake.empty(x["query"].shape, x["query"].dtype)
-                    md = np.array([1, L], dtype=np.int32)
-                    for what, fn in (("op(..., out=)", lambda: op(*args, attention_metadata=md, out=out)),
-                                     ("op.plan", lambda: op.plan(*args, attention_metadata=md))):
-                        rec = base_record(Step("host", f"fake cupy {mode}: {what} {label}",
-                                               (("mode", mode), ("B", B), ("L", L))))
-                        try:
-                            rec["cupa"] = {"status": "ok", **per_call_us(fn, calls)}
-                        except Exception as exc:
-                            rec["cupa"] = {"status": "error", "reason": error_text(exc)}
-                        rows.append(rec)
+                    rows += self._fake_problem(fastpath, fake, mode, label, B, L, calls)
         return rows
+
+    @staticmethod
+    def _fake_problem(fastpath, fake, mode: str, label: str, B: int, L: int, calls: int) -> list:
+        """Rows of one problem against the fake CuPy, and the fake's own floor: the same number of fake
+        allocations and launches called directly (what the fake costs, not cupa)."""
+        x, attrs = fastpath.fake_case(fake, B=B, L=L, H=_H, Hk=_HK, D=_D, bs=_BS)
+        names = ("query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length", "past_seqlens",
+                 "block_table")
+        args = tuple(x[n] for n in names)
+        options = cupa.Options(launch=mode)
+        op = cupa.PagedAttention(**attrs, options=options)
+        out = fake.empty(x["query"].shape, x["query"].dtype)
+        md = np.array([1, L], dtype=np.int32)
+        op(*args, attention_metadata=md, out=out)
+        fake.launches.clear(), fake.allocations.clear()
+        op(*args, attention_metadata=md, out=out)
+        launches, allocations = len(fake.launches), len(fake.allocations)
+        fake._functions.setdefault(0xF001, "fake_floor_kernel")
+
+        def fake_floor():
+            for _ in range(allocations):
+                fake.cuda.alloc(1024)
+            for _ in range(launches):
+                fake.cuda.driver.launchKernel(0xF001, 1, 1, 1, 128, 1, 1, 0, 0, 1, 0)
+
+        rows = []
+        for what, fn in (("op(..., out=)", lambda: op(*args, attention_metadata=md, out=out)),
+                         ("op(...) no out", lambda: op(*args, attention_metadata=md)),
+                         ("op.plan", lambda: op.plan(*args, attention_metadata=md)),
+                         ("paged_attention()", lambda: cupa.paged_attention(*args, attention_metadata=md, out=out,
+                                                                             num_heads=_H, kv_num_heads=_HK,
+                                                                             options=options)),
+                         ("fake floor", fake_floor)):
+            rec = base_record(Step("host", f"fake cupy {mode}: {what} {label}", (("mode", mode), ("B", B), ("L", L))))
+            try:
+                rec["cupa"] = {"status": "ok", **per_call_us(fn, calls)}
+            except Exception as exc:
+                rec["cupa"] = {"status": "error", "reason": error_text(exc)}
+            rec["details"] = {"kernels_per_call": launches, "allocations_per_call": allocations}
+            rows.append(rec)
+        return rows
+
+
+@contextlib.contextmanager
+def _pinned_to_one_cpu():
+    """Pin the process to the last CPU it may run on (host timings drift less), restoring it after;
+    yields that CPU, or None where affinity cannot be set."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    saved = os.sched_getaffinity(0)
+    cpu = max(saved)
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError:
+        yield None
+        return
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 def _cupy_importable() -> bool:
