@@ -295,11 +295,13 @@ def test_admitted_pairs_counts_causal_and_window():
     assert C.admitted_pairs([2], [1], is_causal=0) == 3 * 2
 
 
-def test_dense_kv_and_page_indices_address_the_same_rows(rng):
-    case = C.ragged_decode([7, 1, 13], "t", block_size=4, **SMALL)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_kv_and_page_indices_address_the_same_rows(rng, dtype):
+    case = C.ragged_decode([7, 1, 13], "t", block_size=4, **{**SMALL, "dtype": dtype})
     b = C.build(case, seed=int(rng.integers(1 << 30)))
     kc = b.inputs["key_cache"]
     dense = C.dense_kv(kc, b.block_table, 7, 4)
+    assert dense.dtype == kc.dtype and dense.shape == (3, 2, 7, 16) and dense.flags.c_contiguous
     for bi in range(3):
         for pos in range(7):
             np.testing.assert_array_equal(dense[bi, :, pos], kc[b.block_table[bi, pos // 4], pos % 4])

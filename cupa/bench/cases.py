@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["Case", "Built", "build", "decode", "ragged_decode", "prefill", "ragged_prefill", "chunked", "mixed",
-           "mla", "admitted_pairs", "dense_kv", "page_indices", "cache_positions", "DEFAULTS", "replace"]
+           "mla", "admitted_pairs", "dense_kv", "raw_bits", "page_indices", "cache_positions", "DEFAULTS", "replace"]
 
 #: Field values a case name leaves out (GQA 32/8, D=128, block 16, fp16, T cache, metadata given).
 DEFAULTS = dict(num_heads=32, kv_num_heads=8, head_size=128, block_size=16, dtype="float16", cache="T",
@@ -423,14 +423,19 @@ def cache_positions(block_table: np.ndarray, kv_len: int, block_size: int, b: in
     return block_table[b, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
+def raw_bits(x):
+    """A same-shape unsigned-integer view of ``x`` (gathers and transposes then copy bits, whatever T is)."""
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(x.dtype).itemsize])
+
+
 def dense_kv(cache, block_table: np.ndarray, kv_len: int, block_size: int, xp=np):
     """(B, Hk, kv_len, D) dense copy of a paged cache's first ``kv_len`` positions of every sequence
     (what torch SDPA reads): the rows gathered through the block table, head-major."""
     nb, bs, hk, d = cache.shape
-    flat = cache.reshape(nb * bs, hk, d)
+    flat = raw_bits(cache).reshape(nb * bs, hk, d)
     rows = np.stack([cache_positions(block_table, kv_len, block_size, b) for b in range(block_table.shape[0])])
     gathered = flat[xp.asarray(rows.reshape(-1))].reshape(block_table.shape[0], kv_len, hk, d)
-    return xp.ascontiguousarray(gathered.transpose(0, 2, 1, 3))
+    return xp.ascontiguousarray(gathered.transpose(0, 2, 1, 3)).view(cache.dtype)
 
 
 def page_indices(block_table: np.ndarray, kv_lens, block_size: int):

@@ -12,8 +12,10 @@ equivalent and are unsupported.
 
 from __future__ import annotations
 
+import warnings
+
 from . import Peer, Prepared, Unsupported, to_torch
-from ..cases import dense_kv
+from ..cases import dense_kv, raw_bits
 
 __all__ = ["TorchSdpa", "dense_inputs"]
 
@@ -24,12 +26,13 @@ def dense_inputs(built, xp):
     case = built.case
     B, H, D = case.batch_size, case.num_heads, case.head_size
     q_len, kv_len = int(built.q_lens[0]), int(built.kv_lens[0])
-    q = xp.ascontiguousarray(built.inputs["query"].reshape(B, q_len, H, D).transpose(0, 2, 1, 3))
+    query = built.inputs["query"]
+    q = xp.ascontiguousarray(raw_bits(query).reshape(B, q_len, H, D).transpose(0, 2, 1, 3)).view(query.dtype)
     k = dense_kv(built.inputs["key_cache"], built.block_table, kv_len, case.block_size, xp)
     v = dense_kv(built.inputs["value_cache"], built.block_table, kv_len, case.block_size, xp)
     if case.window > 0 and kv_len > case.window:
-        k = xp.ascontiguousarray(k[:, :, kv_len - case.window:])
-        v = xp.ascontiguousarray(v[:, :, kv_len - case.window:])
+        k = xp.ascontiguousarray(raw_bits(k)[:, :, kv_len - case.window:]).view(k.dtype)
+        v = xp.ascontiguousarray(raw_bits(v)[:, :, kv_len - case.window:]).view(v.dtype)
     return q, k, v
 
 
@@ -107,9 +110,11 @@ class TorchSdpa(Peer):
 
         note = "enable_gqa" if H != case.kv_num_heads else ""
         try:
-            call(q, k, v, H != case.kv_num_heads)
+            with warnings.catch_warnings():     # a pinned backend that refuses the inputs warns, then raises
+                warnings.simplefilter("ignore")
+                call(q, k, v, H != case.kv_num_heads)
             fn = lambda: call(q, k, v, H != case.kv_num_heads)  # noqa: E731
-        except RuntimeError:
+        except (RuntimeError, TypeError, NotImplementedError, ValueError):
             if H == case.kv_num_heads:
                 raise
             group = H // case.kv_num_heads
