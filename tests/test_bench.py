@@ -530,3 +530,19 @@ def test_device_run_records_cupa_and_every_peer(tmp_path):
             if m["status"] == "ok":
                 assert m["agrees"], (rec["id"], name, m)
     assert not payload["mismatches"]
+
+
+def test_backend_variants_are_recorded():
+    """On a device runtime the suites time ``Options(backend=...)`` variants; one that names cupa's own
+    choice is "same as default", one that cannot serve the call says why (NumPy arrays stand in for a
+    device here: the reference is their only backend)."""
+
+    class DeviceLike(NumpyRuntime):
+        on_device = True
+
+    variants = (("reference again", cupa.Options(backend="reference")), ("mma.sync", cupa.Options(backend="prefill")))
+    ctx = Context(DeviceLike(), [], reps=1, size="smoke")
+    rec = AttentionSuite("prefill", "", variants).run(C.prefill(2, 6, block_size=4, **SMALL), ctx)
+    assert rec["variants"]["reference again"] == {"status": "same as default", "backend": "reference"}
+    assert rec["variants"]["mma.sync"]["status"] == "not served"
+    assert "options.backend" in rec["variants"]["mma.sync"]["reason"]
