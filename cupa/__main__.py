@@ -295,9 +295,9 @@ def run_demo(prompt_lens=(37, 5, 21), decode_steps: int = 4, backend: str = "aut
                       attention_metadata=[max(q_lens), max(p + ql for p, ql in zip(past, q_lens))])
         try:
             if backend_name is None:
-                problem, chosen, _ = op.plan(**inputs)
-                describe = getattr(chosen, "describe", None)
-                backend_name = chosen.name + (f": {describe(problem)}" if on_gpu and describe else "")
+                plan = op.plan(**inputs)
+                backend_name = plan.backend.name + (
+                    f": {plan.backend.describe(plan.problem, plan.device, plan.options)}" if on_gpu else "")
             output = op(**inputs)
         except cupa.PagedAttentionError as exc:
             say(f"  {label}: cupa raised PagedAttentionError: {exc}")

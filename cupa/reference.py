@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import ml_dtypes
 
-from . import helpers
+from . import arrays, helpers
 from .contract import INPUT_NAMES, Problem
 from .errors import fail
 
@@ -30,23 +30,40 @@ GROUP_MIN_TOKENS = 8
 
 
 class ReferenceBackend:
-    """NumPy inputs run here: float64 arithmetic on the CPU, output cast to T."""
+    """Host inputs run here: float64 arithmetic on the CPU, output cast to T.
+
+    NumPy arrays, and CPU arrays of any library NumPy can view without a copy (PyTorch CPU tensors,
+    JAX CPU arrays): the outputs come back in the library of ``query`` and the caches are updated in
+    place where they live.
+    """
 
     name = "reference"
+    verified = True
 
-    def not_supported_reasons(self, problem: Problem) -> list:
+    def not_supported_reasons(self, problem: Problem, device=None, options=None) -> list:
         return []
 
-    def preferred(self, problem: Problem) -> bool:
+    def preferred(self, problem: Problem, device=None, options=None) -> bool:
         return True
 
-    def describe(self, problem: Problem) -> str:
+    def describe(self, problem: Problem, device=None, options=None) -> str:
         return (f"NumPy float64 reference on the CPU: N={problem.token_count} B={problem.batch_size} "
                 f"H={problem.num_heads} Hk={problem.kv_num_heads} D={problem.head_size} "
                 f"cache={problem.cache_kind}")
 
-    def run(self, problem: Problem, inputs: dict, out=None, stream=None):
-        return _run(problem, inputs, out)
+    def run(self, plan, inputs: dict, out=None, stream=None):
+        pb = plan.problem
+        like = inputs["query"]
+        views = {name: (x if name == "attention_metadata" else arrays.host_view(x, name, cache=name in _CACHES))
+                 for name, x in inputs.items()}
+        out_view = arrays.host_out(out, like, pb.output_shape, _T[pb.dtype])
+        result = _run(pb, views, out_view)
+        if isinstance(result, tuple):
+            return (arrays.wrap_host(result[0], like, out), *(arrays.wrap_host(r, like) for r in result[1:]))
+        return arrays.wrap_host(result, like, out)
+
+
+_CACHES = ("key_cache", "value_cache")
 
 
 BACKEND = ReferenceBackend()

@@ -118,16 +118,17 @@ class GraphsSuite(Suite):
 def _launch_floor(op, args, md, out):
     """``fn()`` that replays just the driver launches of one decode call of ``op`` (same grids, same
     pointers; no planning, no checks): the host cost no Python can remove. None where the call is not
-    a workspace-free decode or the launch internals differ."""
-    from cupa.kernels import decode as decode_backend, launch
+    a workspace-free decode that has run once (its launch recipe is built by the first call)."""
+    from cupa.contract import INPUT_NAMES
+    from cupa.kernels import launch
 
-    problem, backend, inputs = op.plan(*args, attention_metadata=md)
-    if backend.name != "decode":
+    plan = op.plan(*args, attention_metadata=md)
+    recipe = plan.state.get("recipe")
+    if plan.backend.name != "decode" or recipe is None or recipe.nbytes:
         return None
-    call = launch.prepare(problem, inputs, out, None)
-    recipe = problem.__dict__[decode_backend._RECIPES][call.device_id]
-    if recipe.nbytes:
-        return None
+    inputs = dict.fromkeys(INPUT_NAMES)
+    inputs.update(zip(INPUT_NAMES, args), attention_metadata=md)
+    call = launch.prepare(plan.problem, inputs, out, None)
     ptrs = call.ptrs + [0, call.output_ptr, 0, 0, 0]
     stream_ptr = call.stream.ptr
     return lambda: recipe.launches(ptrs, stream_ptr)
@@ -217,7 +218,7 @@ class HostSuite(Suite):
         rows = []
         for mode in ("fast", "rawkernel"):
             fake = fastpath.FakeCupy(real_arrays=_cupy_importable())
-            with fastpath.fake_cupy(fake, mode):
+            with fastpath.fake_cupy(fake):
                 fake.record = False
                 for label, B, L in (("tiny B=1 L=16", 1, 16), ("B=8 L=4096 (split)", 8, 4096)):
                     rows += self._fake_problem(fastpath, fake, mode, label, B, L, calls)

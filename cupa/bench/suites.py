@@ -116,7 +116,7 @@ def time_cupa(built: Built, ctx: Context, options=None):
     try:
         op = cupa.PagedAttention(**built.attributes, options=options)
         inputs = built.call_inputs()
-        _, backend, _ = op.plan(**inputs)
+        backend = op.plan(**inputs).backend
         out = rt.xp.empty((case.token_count, case.num_heads * case.out_head_size), dtype=inputs["query"].dtype)
         result = rt.time_us(lambda: op(**inputs, out=out), ctx.reps)
     except cupa.PagedAttentionError as exc:
@@ -185,7 +185,7 @@ class AttentionSuite(Suite):
     @staticmethod
     def _variant(built: Built, ctx: Context, options, default: dict, reference) -> dict:
         try:
-            _, backend, _ = cupa.PagedAttention(**built.attributes, options=options).plan(**built.call_inputs())
+            backend = cupa.PagedAttention(**built.attributes, options=options).plan(**built.call_inputs()).backend
         except cupa.PagedAttentionError as exc:
             return {"status": "not served", "reason": str(exc)}
         if default.get("backend") == backend.name:
@@ -300,7 +300,8 @@ def all_suites() -> dict:
         AttentionSuite("prefill", "causal prefill, nothing cached", mma_sync),
         AttentionSuite("chunked", "chunked prefill after a cached past", mma_sync),
         AttentionSuite("mixed", "decode sequences and prefill chunks in one call", mma_sync),
-        AttentionSuite("mla", "absorbed MLA (LATENT layout, 576/512)"),
+        AttentionSuite("mla", "absorbed MLA (LATENT layout, 576/512)",
+                       (("mla backend", cupa.Options(backend="mla")),)),
         AttentionSuite("subbyte", "int4 / float4 e2m1 caches"),
         CascadeSuite(), GraphsSuite(), HostSuite(), ServingSuite(),
     ]
