@@ -546,3 +546,30 @@ def test_backend_variants_are_recorded():
     assert rec["variants"]["reference again"] == {"status": "same as default", "backend": "reference"}
     assert rec["variants"]["mma.sync"]["status"] == "not served"
     assert "options.backend" in rec["variants"]["mma.sync"]["reason"]
+
+
+def test_host_floor_replays_the_calls_launches():
+    """The host suite's driver floor (device runs) replays exactly the launches of one decode call: same
+    kernels, grids and parameter bytes (checked against the test suite's fake CuPy)."""
+    pytest.importorskip("cupy")
+    from cupa.bench.steps import _launch_floor
+    from tests.test_launch_fastpath import FakeCupy, fake_case, fake_cupy
+
+    fake = FakeCupy(real_arrays=True)
+    with fake_cupy(fake):
+        x, attrs = fake_case(fake, B=2, L=64)
+        names = ("query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length", "past_seqlens",
+                 "block_table")
+        args = tuple(x[n] for n in names)
+        op = cupa.PagedAttention(**attrs)
+        out = fake.empty(x["query"].shape, x["query"].dtype)
+        md = np.array([1, 64], dtype=np.int32)
+        op(*args, attention_metadata=md, out=out)
+        fake.launches.clear()
+        op(*args, attention_metadata=md, out=out)
+        call = list(fake.launches)
+        floor = _launch_floor(op, args, md, out)
+        assert floor is not None
+        fake.launches.clear()
+        floor()
+        assert fake.launches == call and len(call) == 2
