@@ -159,13 +159,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out)
     if args.merge:
-        payload = report.merge([report.load(p) for p in args.merge], args.merge)
-        if args.compare:
-            report.compare(payload, report.load(args.compare), args.compare)
-        print("\n".join(report.summary_lines(payload) + report.compare_lines(payload)))
-        for path in _outputs(payload, out, not args.no_plots):
-            print(f"wrote {path}")
-        return 0
+        return _publish(report.merge([report.load(p) for p in args.merge], args.merge), args, out)
 
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
     suites = all_suites()
@@ -240,7 +234,11 @@ def main(argv=None) -> int:
                "probes": [{"read": read, "gemm": gemm}],
                "peers": _peer_table(peers, selected, args.smoke, args.no_peers), "suites": suite_table,
                "cases": cases}
-    report.finalize(payload)
+    return _publish(report.finalize(payload), args, out)
+
+
+def _publish(payload: dict, args, out: Path) -> int:
+    """Compare with ``--compare``, print the summary, write the JSON, the markdown and the plots."""
     if args.compare:
         report.compare(payload, report.load(args.compare), args.compare)
     print("\n".join(report.summary_lines(payload) + report.compare_lines(payload)))
