@@ -739,3 +739,26 @@ def wrap_host(arr: np.ndarray, like, given=None):
 
         return jnp.asarray(arr)
     return arr
+
+
+# -- buffers that must not overlap ----------------------------------------------------------------------
+
+def check_disjoint(input_nbytes: dict, pointer_of, out_ptr: int = 0, out_nbytes: int = 0, layout_separate=True):
+    """Raise PagedAttentionError when value_cache overlaps key_cache (SEPARATE layout: V would overwrite K),
+    or when ``out`` (``out_ptr``/``out_nbytes``, 0 when not given) overlaps any input.
+
+    ``input_nbytes``: :attr:`cupa.contract.Problem.input_nbytes`; ``pointer_of(name)``: the start address of
+    an input (a device pointer, or a host address for NumPy views).
+    """
+    if layout_separate:
+        n = input_nbytes["key_cache"]
+        k, v = pointer_of("key_cache"), pointer_of("value_cache")
+        if n and k < v + n and v < k + n:
+            raise fail("value_cache", "memory overlapping key_cache" + (" (the same buffer)" if k == v else ""),
+                       "a cache of its own: K and V rows are written to separate caches")
+    if out_nbytes:
+        for name, n in input_nbytes.items():
+            p = pointer_of(name)
+            if n and p < out_ptr + out_nbytes and out_ptr < p + n:
+                raise fail("out", f"memory overlapping {name}", "an output buffer of its own (out= never aliases "
+                           "an input)")

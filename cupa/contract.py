@@ -12,6 +12,7 @@ attribute, what it got and what it expected (SPEC section 4, seed section 15).
 from __future__ import annotations
 
 import collections.abc as _abc
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Sequence
@@ -248,8 +249,42 @@ class Problem:
     def quantized(self) -> bool:
         return self.cache_kind != "T"
 
+    @functools.cached_property
+    def input_nbytes(self) -> dict:
+        """Bytes of every present tensor input (what a memory-overlap check needs), by input name."""
+        t = _ITEMSIZE[self.dtype]
+        c = _ITEMSIZE.get(self.cache_array_dtype, 1)
+        N, B, H, Hk, D = self.token_count, self.batch_size, self.num_heads, self.kv_num_heads, self.head_size
+        hidden = (H + 2 * Hk) * D if self.packed_qkv else H * D
+        sizes = {"query": N * hidden * t, "key_cache": self.num_blocks * self.block_size * Hk * D * c,
+                 "cumulative_sequence_length": (B + 1) * 4, "past_seqlens": B * 4,
+                 "block_table": B * self.max_blocks_per_seq * 4}
+        if not self.packed_qkv:
+            sizes["key"] = N * (D if self.latent else Hk * D) * t
+            if not self.latent:
+                sizes["value"] = N * Hk * D * t
+        if not self.latent:
+            sizes["value_cache"] = sizes["key_cache"]
+        if self.rotary_dim:
+            sizes["cos_cache"] = sizes["sin_cache"] = self.rotary_max_pos * (self.rotary_dim // 2) * t
+        for name, present, n in (("slot_mapping", self.has_slot_mapping, N * 4),
+                                 ("query_positions", self.has_query_positions, N * 4),
+                                 ("head_sink", self.has_head_sink, H * t)):
+            if present:
+                sizes[name] = n
+        if self.has_qk_norm:
+            sizes["q_norm_weight"] = sizes["k_norm_weight"] = D * t
+        if self.quantized:
+            sizes["k_scale"] = 4 if self.k_quant == "PER_TENSOR" else Hk * D * 4
+            if not self.latent:
+                sizes["v_scale"] = 4 if self.v_quant == "PER_TENSOR" else Hk * D * 4
+        if self.has_bias:
+            sizes["attention_bias"] = math.prod(self.bias_shape) * t
+        return sizes
+
 
 _INT32_MAX = (1 << 31) - 1
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _dims(shape) -> str:

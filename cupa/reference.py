@@ -57,6 +57,7 @@ class ReferenceBackend:
         views = {name: (x if name == "attention_metadata" else arrays.host_view(x, name, cache=name in _CACHES))
                  for name, x in inputs.items()}
         out_view = arrays.host_out(out, like, pb.output_shape, _T[pb.dtype])
+        _check_disjoint(pb, views, out_view)
         result = _run(pb, views, out_view)
         if isinstance(result, tuple):
             return (arrays.wrap_host(result[0], like, out), *(arrays.wrap_host(r, like) for r in result[1:]))
@@ -64,6 +65,19 @@ class ReferenceBackend:
 
 
 _CACHES = ("key_cache", "value_cache")
+
+
+def _check_disjoint(pb: Problem, views: dict, out) -> None:
+    """value_cache apart from key_cache (SEPARATE), out= apart from every input (host memory)."""
+    if not pb.latent and views["value_cache"] is not None and np.may_share_memory(views["key_cache"],
+                                                                                  views["value_cache"]):
+        raise fail("value_cache", "memory overlapping key_cache", "a cache of its own: K and V rows are written to "
+                   "separate caches")
+    if out is not None:
+        for name, x in views.items():
+            if name != "attention_metadata" and isinstance(x, np.ndarray) and np.may_share_memory(out, x):
+                raise fail("out", f"memory overlapping {name}", "an output buffer of its own (out= never aliases "
+                           "an input)")
 
 
 BACKEND = ReferenceBackend()
