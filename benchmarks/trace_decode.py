@@ -4,8 +4,8 @@ A copy of ``cuda_src`` whose ``decode_mma.cu`` is instrumented -- thread 0 of ev
 ``%globaltimer`` at entry, after ``griddepcontrol.wait``, when its first tile is ready, at the end
 of its key loop, after its rows are stored and at exit, and its SM id -- replaces the library's
 sources for this process only (``jit.SOURCE_DIR``; the package is untouched). One call of a
-decode shape is timed (``cupa.bench``'s timer: CUDA events, L2 flushed, median of ``--reps``), then one more call is
-traced and summarized: quantiles (0, 10, 50, 90, 100%) across CTAs of each event in us after the
+decode shape is timed (``cupa.bench``'s timer: CUDA events, L2 flushed, median of ``--reps``), then
+one more call is traced and summarized: quantiles (0, 10, 50, 90, 100%) across CTAs of each event in us after the
 first CTA's entry, of each CTA's key-loop time and of its merge time (stored -> exit), CTAs per SM,
 when each SM's last CTA ended, and the loop times and exits of the CTAs grouped by how many CTAs
 their SM ran. ``--raw FILE.npy`` also saves every CTA's timestamps (ns) and SM id.
@@ -14,7 +14,8 @@ their SM ran. ``--raw FILE.npy`` also saves every CTA's timestamps (ns) and SM i
 
 ``--decode-only`` drops the prologue launch (the decode kernel alone; its results are then not the
 attention of the call). The instrumented kernel is a little slower than the library's (two global
-stores per CTA and event): compare its timings with each other, and the call times with ``python -m cupa.bench``.
+stores per CTA and event): compare its timings with each other, and the call times with
+``python -m cupa.bench``.
 """
 
 from __future__ import annotations
