@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from cupa import serving  # noqa: E402
+from cupa.serving.benchmark import CASES, Scenario  # noqa: E402
 
 
 def _cpu_model() -> str:
@@ -56,45 +57,25 @@ def _summary(samples_ns: list) -> dict:
             "samples": len(us)}
 
 
-def bench_steps(*, kinds, seqs: int, block_size: int, max_context: int, chunk: int, steps: int, prefix: bool,
-                rng) -> dict:
-    """``steps`` steps of ``seqs - 1`` decoding sequences (contexts uniform up to max_context) and one
-    sequence prefilling ``chunk`` tokens per step (restarted when it reaches max_context)."""
-    lengths = rng.integers(max_context // 64, max_context - steps - 1, seqs - 1)
-    cache = serving.KVCache(kinds, kv_num_heads=1, head_size=8, dtype="float16", block_size=block_size,
-                            num_blocks=int(lengths.sum() // block_size + seqs * (steps // block_size + 4)
-                                           + 4 * max_context // block_size))
-    m = serving.KVCacheManager(cache, max_num_seqs=seqs, max_model_len=max_context,
-                               max_num_batched_tokens=max_context, enable_prefix_caching=prefix)
-    for i, n in enumerate(lengths.tolist()):           # the running batch, built once
-        m.add(i)
-        m.append(i, rng.integers(0, 32000, n) if prefix else n)
-        m.build_step()
-    m.add("prefill")
-    decoding = np.ones(seqs, dtype=bool)                # the row mask of append_decode: all but the prefill
-    decoding[m.seq_ids.index("prefill")] = False
-    prompt = rng.integers(0, 32000, max_context - 1)
-    sent = 0
+def bench_steps(name: str, *, seqs: int, block_size: int, max_context: int, chunk: int, steps: int,
+                seed: int) -> dict:
+    """``steps`` steps of a :class:`cupa.serving.benchmark.Scenario`, each piece timed."""
+    kinds, prefix = CASES[name]
+    sc = Scenario(kinds, seqs=seqs, block_size=block_size, max_context=max_context, chunk=chunk, steps=steps + 1,
+                  prefix=prefix, seed=seed)
+    m = sc.manager
     t_dec, t_app, t_build, t_total = [], [], [], []
-    tokens = rng.integers(0, 32000, seqs - 1)
     gc.collect()
     gc.disable()
     try:
         for _ in range(steps):
-            if sent + chunk > len(prompt):              # the prefill is done: a new one takes the same row
-                m.finish("prefill")
-                m.add("prefill")
-                sent = 0
-                assert m.seq_ids[-1] == "prefill" and not decoding[-1]
-            piece = prompt[sent:sent + chunk]
             t0 = time.perf_counter_ns()
-            m.append_decode(tokens, decoding)
+            sc.decode()
             t1 = time.perf_counter_ns()
-            m.append("prefill", piece if prefix else len(piece))
+            sc.prefill()
             t2 = time.perf_counter_ns()
-            step = m.build_step()
+            step = sc.build()
             t3 = time.perf_counter_ns()
-            sent += chunk
             t_dec.append(t1 - t0)
             t_app.append(t2 - t1)
             t_build.append(t3 - t2)
@@ -103,8 +84,8 @@ def bench_steps(*, kinds, seqs: int, block_size: int, max_context: int, chunk: i
         gc.enable()
     ctx = step.seq_lens
     return {
-        "layers": ", ".join(f"{len(g.layers)} x {g.kind}" for g in cache.groups),
-        "groups": len(cache.groups), "prefix_caching": prefix, "running_sequences": seqs,
+        "layers": ", ".join(f"{len(g.layers)} x {g.kind}" for g in sc.cache.groups),
+        "groups": len(sc.cache.groups), "prefix_caching": prefix, "running_sequences": seqs,
         "decode_sequences": seqs - 1, "prefill_chunk": chunk, "token_count": step.token_count,
         "block_size": block_size, "context_max": int(ctx.max()), "context_mean": float(ctx.mean()),
         "block_table_shape": list(step.block_tables[0].shape),
@@ -168,11 +149,6 @@ def main() -> None:
     cpu = _pin_one_core()
     a, idx = np.zeros(257, np.int32), np.arange(256)
     calib = statistics.median(timeit.repeat(lambda: a[idx], number=2000, repeat=7)) / 2000 * 1e6
-    full = serving.full_attention()
-    window = serving.sliding_window(128, "evict")
-    cases = [("full attention", [full], False), ("full attention, prefix caching", [full], True),
-             ("GPT-OSS groups (full + window 128 evict)", [full, window], False),
-             ("GPT-OSS groups, prefix caching", [full, window], True)]
     results = {"environment": {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
                                "numpy": np.__version__, "cpu": _cpu_model(), "pinned_cpu": cpu,
                                "numpy_fancy_index_256_us": calib,
@@ -180,9 +156,9 @@ def main() -> None:
                                        "is one NumPy fancy index of 256 int32 in the same run, for scale)"},
                "targets": {"build_step_us": 100, "pool_operation_us": 2},
                "steps": {}, "pool": None}
-    for name, kinds, prefix in cases:
-        r = bench_steps(kinds=kinds, seqs=args.seqs, block_size=args.block_size, max_context=args.max_context,
-                        chunk=args.chunk, steps=args.steps, prefix=prefix, rng=np.random.default_rng(args.seed))
+    for name in CASES:
+        r = bench_steps(name, seqs=args.seqs, block_size=args.block_size, max_context=args.max_context,
+                        chunk=args.chunk, steps=args.steps, seed=args.seed)
         results["steps"][name] = r
         print(f"{name:45s} build_step {r['build_step']['median_us']:6.1f} us (p90 {r['build_step']['p90_us']:6.1f})"
               f"  append_decode {r['append_decode']['median_us']:6.1f}  append chunk {r['append_chunk']['median_us']:6.1f}"

@@ -111,10 +111,7 @@ def test_block_count_from_budget():
 
 
 def test_torch_cpu_cache_and_step_arrays(rng):
-    """PyTorch caches and step arrays; the op runs on them through zero-copy NumPy views.
-
-    (The op itself would route torch CPU tensors to a CUDA backend: cupa/dispatch.py's host test
-    knows NumPy arrays only.)"""
+    """PyTorch CPU caches and step arrays: the op runs on them (the reference) like on NumPy ones."""
     torch = pytest.importorskip("torch")
     fp8 = serving.KVCache(2, kv_num_heads=2, head_size=16, dtype="float16", cache_dtype="float8e4m3fn",
                           block_size=4, num_blocks=8, library="torch")
@@ -140,10 +137,10 @@ def test_torch_cpu_cache_and_step_arrays(rng):
     np.testing.assert_array_equal(tstep.slot_mappings[0].numpy(), nstep.slot_mappings[0])
     op = cupa.PagedAttention(num_heads=2, **tcache.attributes(0))
     q, kv = util._rand_T(rng, (7, 32), np.float16), util._rand_T(rng, (7, 32), np.float16)
-    views = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in tstep.inputs(0).items()}
-    out_t = op(q, kv, kv, **views)
+    out_t = tstep.attention(op, 0, torch.from_numpy(q), torch.from_numpy(kv), torch.from_numpy(kv))
     out_n = nstep.attention(op, 0, q, kv, kv)
-    np.testing.assert_array_equal(out_t, out_n)
+    assert isinstance(out_t, torch.Tensor)
+    np.testing.assert_array_equal(out_t.numpy(), out_n)
     np.testing.assert_array_equal(tcache.key_caches[0].numpy(), ncache.key_caches[0])
     b = int(tstep.block_tables[0][0, 1])
     tcache.copy_blocks([b], [7])                                          # torch's own indexing
@@ -632,3 +629,13 @@ def test_torch_cuda_steps_match_the_numpy_reference(rng):
             tokens[s].append(t)
         for _, m, _ in runs.values():
             m.append_decode(new)
+
+
+def test_benchmark_cases_run():
+    """The host benchmark hook of ``python -m cupa.bench`` (suite serving), at its smallest size."""
+    cases = serving.benchmark_cases("smoke")
+    assert [name for name, _, _ in cases][-1] == "pool: allocate_one + free"
+    for name, fn, params in cases:
+        for _ in range(3):
+            fn()
+        assert isinstance(params, dict)

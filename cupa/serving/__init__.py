@@ -14,9 +14,11 @@ calls anything else of cupa.
   cumulative_sequence_length, past_seqlens, block_table, slot_mapping, query_positions and
   attention_metadata, in fixed-capacity buffers for CUDA-graph replay when asked.
 
-See docs/serving.md for how these map onto vLLM and SGLang names.
+See docs/serving.md for how these map onto vLLM and SGLang names. :func:`benchmark_cases` gives the
+host benchmark steps to ``python -m cupa.bench`` (suite ``serving``).
 """
 
+from .benchmark import benchmark_cases
 from .cache import CACHE_DTYPES, CacheDType, KVCache
 from .layers import LayerGroup, LayerKind, full_attention, group_layers, sliding_window
 from .manager import KVCacheManager
@@ -27,4 +29,5 @@ from .step import Step
 __all__ = [
     "KVCache", "CacheDType", "CACHE_DTYPES", "LayerKind", "LayerGroup", "full_attention", "sliding_window",
     "group_layers", "BlockPool", "KVCacheManager", "Step", "builtin_block_hash", "sha256_block_hash",
+    "benchmark_cases",
 ]
