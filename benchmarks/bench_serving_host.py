@@ -94,6 +94,7 @@ def bench_steps(name: str, *, seqs: int, block_size: int, max_context: int, chun
         "bookkeeping_bytes": m.bookkeeping_bytes(), "pool_blocks": m.pool.num_blocks,
         "bookkeeping_bytes_per_block": m.bookkeeping_bytes() / m.pool.num_blocks,
         "cached_tokens": int(ctx.sum()),
+        "bookkeeping_bytes_per_cached_token": m.bookkeeping_bytes() / int(ctx.sum()),
     }
 
 

@@ -299,15 +299,7 @@ class KVCacheManager:
             Prompt tokens already in the cache (a multiple of block_size, at most
             ``len(tokens) - 1``): the sequence starts with that length.
         """
-        if seq_id in self._seqs:
-            raise fail("seq_id", repr(seq_id), "a name not used by a running sequence")
-        try:
-            hash(seq_id)
-        except TypeError:
-            raise fail("seq_id", type(seq_id).__name__, "a hashable name") from None
-        if len(self._rows) >= self.max_num_seqs:
-            raise fail("sequences", f"{len(self._rows)} running", f"fewer than max_num_seqs={self.max_num_seqs} "
-                       "to add one: finish or preempt a sequence first")
+        self._check_new(seq_id, "seq_id")
         ids = self._token_ids(tokens)
         if ids is not None and len(ids) > self.max_model_len:
             raise fail("tokens", f"a prompt of {len(ids)} tokens", f"at most max_model_len={self.max_model_len}")
@@ -325,6 +317,18 @@ class KVCacheManager:
         if self.prefix_caching:
             self._prev_index[row] = -1
         return cached
+
+    def _check_new(self, seq_id, name: str) -> None:
+        """A new sequence named ``seq_id`` may start: a free name, a free row."""
+        try:
+            taken = seq_id in self._seqs
+        except TypeError:
+            raise fail(name, type(seq_id).__name__, "a hashable name") from None
+        if taken:
+            raise fail(name, repr(seq_id), "a name not used by a running sequence")
+        if len(self._rows) >= self.max_num_seqs:
+            raise fail("sequences", f"{len(self._rows)} running", f"fewer than max_num_seqs={self.max_num_seqs} "
+                       "to start one: finish or preempt a sequence first")
 
     def _map_prefix(self, seq: _Sequence, ids: np.ndarray) -> int:
         """Find and map the cached blocks of a prompt (see :meth:`add`); returns the tokens cached."""
@@ -615,10 +619,7 @@ class KVCacheManager:
         built first.
         """
         parent = self._seq(parent_id)
-        if child_id in self._seqs:
-            raise fail("child_id", repr(child_id), "a name not used by a running sequence")
-        if len(self._rows) >= self.max_num_seqs:
-            raise fail("sequences", f"{len(self._rows)} running", f"fewer than max_num_seqs={self.max_num_seqs}")
+        self._check_new(child_id, "child_id")
         rp = parent.row
         if self._new[rp]:
             raise fail("parent_id", f"a sequence with {int(self._new[rp])} appended tokens not yet built",
