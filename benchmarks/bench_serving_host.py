@@ -154,7 +154,8 @@ def main() -> None:
                                "numpy": np.__version__, "cpu": _cpu_model(), "pinned_cpu": cpu,
                                "numpy_fancy_index_256_us": calib,
                                "note": "one core; other processes may share the machine (numpy_fancy_index_256_us "
-                                       "is one NumPy fancy index of 256 int32 in the same run, for scale)"},
+                                       "is one NumPy gather of 256 int32 by an index array, timed in the same "
+                                       "run, for scale)"},
                "targets": {"build_step_us": 100, "pool_operation_us": 2},
                "steps": {}, "pool": None}
     for name in CASES:
