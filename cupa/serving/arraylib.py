@@ -15,9 +15,10 @@ import numpy as np
 
 from ..errors import fail
 
-__all__ = ["Library", "resolve_library"]
+__all__ = ["Library", "resolve_library", "NUMPY_DTYPES"]
 
-_NUMPY_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+#: canonical dtype name -> NumPy (ml_dtypes) type
+NUMPY_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
                  "int8": np.int8, "uint8": np.uint8, "int32": np.int32, "int64": np.int64,
                  "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
 
@@ -39,13 +40,13 @@ class Library:
         self.on_gpu = False
 
     def has_dtype(self, dtype: str) -> bool:
-        return dtype in _NUMPY_DTYPES
+        return dtype in NUMPY_DTYPES
 
     def full(self, shape: tuple, value, dtype: str):
-        return np.full(shape, value, dtype=_NUMPY_DTYPES[dtype])
+        return np.full(shape, value, dtype=NUMPY_DTYPES[dtype])
 
     def zeros(self, shape: tuple, dtype: str):
-        return np.zeros(shape, dtype=_NUMPY_DTYPES[dtype])
+        return np.zeros(shape, dtype=NUMPY_DTYPES[dtype])
 
     def from_host(self, host: np.ndarray):
         """A new array of this library holding a copy of ``host``."""
@@ -78,15 +79,15 @@ class _CuPy(Library):
         self.on_gpu = True
 
     def has_dtype(self, dtype: str) -> bool:
-        return dtype in _NUMPY_DTYPES and dtype != "float8_e4m3fn"   # CuPy has no float8: held as uint8
+        return dtype in NUMPY_DTYPES and dtype != "float8_e4m3fn"   # CuPy has no float8: held as uint8
 
     def full(self, shape, value, dtype):
         with self.cp.cuda.Device(self.device):
-            return self.cp.full(shape, value, dtype=_NUMPY_DTYPES[dtype])
+            return self.cp.full(shape, value, dtype=NUMPY_DTYPES[dtype])
 
     def zeros(self, shape, dtype):
         with self.cp.cuda.Device(self.device):
-            return self.cp.zeros(shape, dtype=_NUMPY_DTYPES[dtype])
+            return self.cp.zeros(shape, dtype=NUMPY_DTYPES[dtype])
 
     def from_host(self, host):
         with self.cp.cuda.Device(self.device):

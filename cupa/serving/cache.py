@@ -16,16 +16,12 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from ..contract import QUANT_TYPES
+from ..contract import FLOAT_TYPES, QUANT_TYPES
 from ..errors import fail
-from .arraylib import Library, resolve_library
+from .arraylib import NUMPY_DTYPES, Library, resolve_library
 from .layers import LayerKind, group_layers
 
 __all__ = ["CacheDType", "CACHE_DTYPES", "KVCache"]
-
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1, "float8_e4m3fn": 1}
-_T_NAMES = ("float16", "bfloat16", "float32")
-
 
 @dataclass(frozen=True)
 class CacheDType:
@@ -67,7 +63,7 @@ CACHE_DTYPES = {
 _ALIASES = {"float8_e4m3fn": "float8e4m3fn"}
 
 
-def _dtype_name(x, what: str) -> str:
+def _dtype_name(x) -> str:
     if isinstance(x, str):
         name = x
     else:
@@ -99,7 +95,7 @@ class KVCache:
     k_quant_type, v_quant_type : {"PER_TENSOR", "PER_CHANNEL"}, default "PER_TENSOR"
         Granularity of the scales of a quantized cache.
     kv_cache_layout : {"SEPARATE", "LATENT"}, default "SEPARATE"
-        LATENT keeps one cache per layer (absorbed MLA): ``kv_num_heads`` must be 1.
+        LATENT keeps the key cache alone (absorbed MLA, no value_cache): ``kv_num_heads`` must be 1.
     v_head_size : int, default 0
         LATENT only: width of V inside the latent row (0 = head_size).
     block_size : int, default 16
@@ -135,10 +131,10 @@ class KVCache:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise fail(name, repr(v), "a positive int")
         self.kv_num_heads, self.head_size, self.block_size = int(kv_num_heads), int(head_size), int(block_size)
-        self.dtype = _dtype_name(dtype, "dtype")
-        if self.dtype not in _T_NAMES:
-            raise fail("dtype", repr(dtype), f"one of {_T_NAMES} (T)")
-        cname = self.dtype if cache_dtype is None else _dtype_name(cache_dtype, "cache_dtype")
+        self.dtype = _dtype_name(dtype)
+        if self.dtype not in FLOAT_TYPES:
+            raise fail("dtype", repr(dtype), f"one of {FLOAT_TYPES} (T)")
+        cname = self.dtype if cache_dtype is None else _dtype_name(cache_dtype)
         if cname not in CACHE_DTYPES:
             raise fail("cache_dtype", repr(cache_dtype), f"one of {sorted(CACHE_DTYPES)}")
         self.cache_dtype = CACHE_DTYPES[cname]
@@ -183,7 +179,7 @@ class KVCache:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block id over every cache tensor (keys and values)."""
-        row = int(np.prod(self.row_shape)) * _ITEMSIZE[self.storage]
+        row = int(np.prod(self.row_shape)) * np.dtype(NUMPY_DTYPES[self.storage]).itemsize
         return row * self.block_size * self.num_tensors * (1 if self.latent else 2)
 
     @property
