@@ -95,7 +95,6 @@ def _contiguous(x: Optional[Tensor]) -> Optional[Tensor]:
     return x if x is None or x.is_contiguous() else x.contiguous()
 
 
-@torch.library.custom_op("cupa::paged_attention", mutates_args=MUTATED, device_types=("cpu", "cuda"))
 def _paged_attention_op(
         query: Tensor, key: Optional[Tensor], value: Optional[Tensor], key_cache: Tensor,
         value_cache: Optional[Tensor], cumulative_sequence_length: Tensor, past_seqlens: Tensor,
@@ -132,6 +131,13 @@ def _paged_attention_op(
     output_qk = rest.pop(0) if qk_output else query.new_empty(_EMPTY, dtype=torch.float32)
     lse = rest.pop(0) if return_lse else query.new_empty(_EMPTY, dtype=torch.float32)
     return output, output_qk, lse
+
+
+# The schema spells the attributes and attention_metadata ``int``, not the inferred ``SymInt``: they
+# are host constants of a call, so a compiled graph specializes on them even under dynamic=True.
+_paged_attention_op = torch.library.custom_op(
+    "cupa::paged_attention", _paged_attention_op, mutates_args=MUTATED, device_types=("cpu", "cuda"),
+    schema=torch.library.infer_schema(_paged_attention_op, mutates_args=MUTATED).replace("SymInt", "int"))
 
 
 def _static(shape) -> bool:
