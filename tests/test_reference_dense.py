@@ -366,7 +366,8 @@ def test_deterministic(rng):
 def test_backend_object(rng):
     case = util.make_case(rng)
     op = cupa.PagedAttention(**case.attrs)
-    problem, backend, _ = op.plan(**{k: v for k, v in case.inputs.items() if v is not None})
+    plan = op.plan(**{k: v for k, v in case.inputs.items() if v is not None})
+    problem, backend = plan.problem, plan.backend
     assert backend is reference.BACKEND and backend.name == "reference"
     assert backend.not_supported_reasons(problem) == [] and backend.preferred(problem)
     assert "reference" in backend.describe(problem).lower() or "numpy" in backend.describe(problem).lower()
