@@ -17,7 +17,7 @@ model (the operator runs with ``do_rotary=0`` and no norm weights), and the modu
 ``sliding_window``, ``softcap`` and attention sinks (``s_aux``, GPT-OSS) become the operator's
 ``scale``, ``local_window_size``, ``softcap`` and ``head_sink``; GQA comes from the shapes.
 
-The attention function serves four kinds of call, told apart by what transformers passes:
+The attention function serves three kinds of call, told apart by what transformers passes:
 
 ``model.generate(..., cache=CupaCache(...))``
     The cache holds every layer's ``key_cache``/``value_cache`` pages and one block table;
@@ -28,24 +28,22 @@ The attention function serves four kinds of call, told apart by what transformer
     real tokens only. The mask function derives those sequences from the 2D attention mask on the
     device (no host synchronization); padding must be on the left, as ``generate`` pads decoder-only
     models (checked where the mask is on the CPU).
-continuous batching, decode fast path (``block_table`` and ``k_cache``/``v_cache`` in the kwargs)
-    transformers' paged cache already has cupa's page layout ``(num_pages, page_size, Hk, D)``:
-    cupa writes the new token into it through transformers' block table and attends.
-continuous batching, varlen path (``cu_seq_lens_q``/``cu_seq_lens_k``, keys already gathered)
-    The cache has written the new keys and gathered each sequence's history contiguously; cupa
-    attends to that gathered tensor in place, as a cache of one-token blocks (no second gather).
+continuous batching (``model.generate_batch``: ``cu_seq_lens_q``/``cu_seq_lens_k`` in the kwargs)
+    transformers' paged cache has written the new keys and values and gathered each sequence's
+    history contiguously; cupa attends to that gathered tensor in place, as a cache of one-token
+    blocks (no second gather). Prefill, chunked prefill and decode batches all take this path.
 no cache, or a transformers ``DynamicCache`` (dense keys ``(B, Hk, S, D)``)
     The dense keys are copied into a one-token-block cache for the call (a copy of the history per
     step with a ``DynamicCache``: pass a :class:`CupaCache` to avoid it).
 
 Continuous batching: transformers 5.24 admits only ``paged|eager``, ``sdpa`` and flash names in
-``ContinuousBatchingManager.switch_to_cb_friendly_attn``, and offers its decode fast path (block
-tables) to FlashAttention on CUDA only (``initialization.ensure_decode_fast_path_is_available``).
-:func:`register` wraps these two functions, for the registered cupa names only and only on the
+``ContinuousBatchingManager.switch_to_cb_friendly_attn``. :func:`register` wraps that method so
+that it returns without switching the implementation for the registered cupa names, and only on the
 transformers releases listed in :data:`CONTINUOUS_BATCHING_RELEASES` (elsewhere it leaves
-transformers untouched and ``generate_batch`` refuses the name as before): the first returns without
-switching the implementation, the second keeps the fast path on for every device. Every other name
-goes to the original functions.
+transformers untouched and ``generate_batch`` refuses the name as before); every other name goes to
+the original. transformers' decode fast path (FlashAttention on CUDA writing through a block table)
+stays off for cupa: its K and V page views share one buffer, V pages interleaved with K pages, and
+cupa refuses overlapping caches.
 
 The block pool of :class:`CupaCache` is a small internal allocator (:class:`_BlockPool`); the serving
 toolkit's pool (``cupa.serving``) is meant to replace it.
@@ -58,7 +56,7 @@ import dataclasses
 import functools
 import logging
 import threading
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -508,15 +506,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                     [q_length, 0 if torch.compiler.is_compiling() else layer.seen], **feature)
         return out.view(batch, q_length, num_heads, -1), None
 
-    if kwargs.get("block_table") is not None and kwargs.get("k_cache") is not None:   # continuous batching, decode
-        cu_q, cu_k = kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
-        past = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
-        out = _call(name, module, "continuous batching: decode", query[0].transpose(0, 1).reshape(q_length, -1),
-                    key[0].transpose(0, 1).reshape(q_length, -1), value[0].transpose(0, 1).reshape(q_length, -1),
-                    kwargs["k_cache"], kwargs["v_cache"], cu_q, past, kwargs["block_table"].to(torch.int32), None,
-                    head_sink, None, **feature)
-        return out.view(1, q_length, num_heads, -1), None
-
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:   # varlen
         cu_q, cu_k = kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
         max_k = int(kwargs["max_length_k"])
@@ -569,7 +558,7 @@ _admitted = False
 
 
 def _admit_to_continuous_batching() -> bool:
-    """Wrap transformers' continuous-batching gates so that names in ``_CB_NAMES`` pass (tested releases only).
+    """Wrap transformers' continuous-batching allow-list so that names in ``_CB_NAMES`` pass (tested releases only).
 
     Returns False, with a warning, where the installed transformers is not a tested release.
     """
@@ -581,7 +570,7 @@ def _admit_to_continuous_batching() -> bool:
                     "generate_batch will refuse cupa's attention name",
                     ", ".join(f"{a}.{b}" for a, b in CONTINUOUS_BATCHING_RELEASES), transformers.__version__)
         return False
-    from transformers.generation.continuous_batching import continuous_api, initialization
+    from transformers.generation.continuous_batching import continuous_api
 
     switch = continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn
 
@@ -591,20 +580,6 @@ def _admit_to_continuous_batching() -> bool:
             return      # cupa serves both paths itself: no switch, no FlashAttention lookup
         return switch(self, model, auto_switch_to_flash)
 
-    ensure = initialization.ensure_decode_fast_path_is_available
-
-    @functools.wraps(ensure)
-    def ensure_decode_fast_path_is_available(config, cb_config, user_requested: bool) -> None:
-        if config._attn_implementation not in _CB_NAMES:
-            return ensure(config, cb_config, user_requested)
-        # cupa reads and writes transformers' pages through its block table on every device; only
-        # attention types whose allocator has no block table (sliding windows) turn the path off.
-        supported = all(initialization.ATTN_TYPE_TO_ALLOCATOR[t].supports_block_table
-                        for t in initialization.group_layers_by_attn_type(config))
-        if not supported:
-            cb_config.max_blocks_per_request = 0
-
     continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
-    initialization.ensure_decode_fast_path_is_available = ensure_decode_fast_path_is_available
     _admitted = True
     return True
