@@ -45,8 +45,7 @@ the original. transformers' decode fast path (FlashAttention on CUDA writing thr
 stays off for cupa: its K and V page views share one buffer, V pages interleaved with K pages, and
 cupa refuses overlapping caches.
 
-The block pool of :class:`CupaCache` is a small internal allocator (:class:`_BlockPool`); the serving
-toolkit's pool (``cupa.serving``) is meant to replace it.
+docs/integrations.md has the snippets and the limits.
 """
 
 from __future__ import annotations
