@@ -7,7 +7,7 @@ NumPy arrays run the reference backend; CuPy arrays and CUDA arrays exposing ``_
 The CUDA backends see CuPy arrays only. One call goes::
 
     stream = arrays.resolve_stream(stream, query)          # the caller's current stream by default
-    dev, device = arrays.device_arrays(inputs, stream)     # zero-copy CuPy views, SPEC 5 checks
+    dev, device = arrays.device_arrays(inputs, stream)     # zero-copy CuPy views, contract §5 checks
     view = arrays.check_out(out, shape, dtype, query, device) if out is not None \\
         else arrays.empty_output(shape, dtype, query, device)
     ... launch on ``stream`` into ``view`` ...
@@ -389,7 +389,7 @@ def resolve_stream(stream=None, query=None):
 
 def device_arrays(inputs: Mapping[str, Any], stream=None, *, skip=("attention_metadata",),
                   caches=CACHE_NAMES) -> tuple:
-    """Zero-copy CuPy views of every device input, checked against SPEC section 5.
+    """Zero-copy CuPy views of every device input, checked against contract §5.
 
     Parameters
     ----------

@@ -6,7 +6,7 @@ returns a :class:`Problem`, the single description of a call that the reference
 backend, the dispatcher and the CUDA kernels draw their sizes from.
 
 Every violation raises :class:`cupa.PagedAttentionError` naming the input or
-attribute, what it got and what it expected (SPEC section 4, seed section 15).
+attribute, what it got and what it expected (contract §4, seed section 15).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import fail
 
-#: ONNX input order (SPEC section 1). Positional arguments follow it.
+#: ONNX input order (contract §1). Positional arguments follow it.
 INPUT_NAMES = (
     "query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length",
     "past_seqlens", "block_table", "cos_cache", "sin_cache", "slot_mapping", "head_sink",
@@ -55,7 +55,7 @@ class ArrayInfo:
 
 @dataclass(frozen=True)
 class Attributes:
-    """The node attributes of SPEC section 3, validated on construction.
+    """The node attributes of contract §3, validated on construction.
 
     Every rule that depends on attributes alone lives here, so a bad node fails when it is
     built (``cupa.PagedAttention(...)``), before any input is seen. String attributes may be
@@ -217,12 +217,12 @@ class Problem:
     bias_shape: tuple           # (Bb, Hb, q_capacity, kv_capacity_bias) or ()
     has_metadata: bool
     max_query_len_bound: int    # launch bound on new tokens of one sequence
-    max_kv_len_bound: int       # launch bound on kv length of one sequence: SPEC 2's kv_capacity
+    max_kv_len_bound: int       # launch bound on kv length of one sequence: contract §2's kv_capacity
     max_kv_len_lower_bound: int  # speed hint only
 
     @property
     def kv_capacity(self) -> int:
-        """SPEC section 2's kv_capacity (the width of output_qk): :attr:`max_kv_len_bound`."""
+        """contract §2's kv_capacity (the width of output_qk): :attr:`max_kv_len_bound`."""
         return self.max_kv_len_bound
 
     @property
@@ -588,7 +588,7 @@ def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
         if bq < 1 or bk < 1:
             raise fail("attention_bias", f"shape {_dims(bias_shape)}", "q_capacity >= 1 and kv_capacity >= 1")
 
-    # Replay-wide bounds (SPEC 4.5): size launches only, clamped to the static capacities.
+    # Replay-wide bounds (contract §4.5): size launches only, clamped to the static capacities.
     static_cap = max_blocks * block_size
     md = tuple(metadata) if metadata is not None else None
     max_q = min(md[0], N) if md and md[0] else N

@@ -1,6 +1,6 @@
 """The NumPy reference backend: float64 arithmetic, the oracle every CUDA backend is tested against.
 
-Semantics are SPEC.md sections 1-4 plus the decisions of docs/architecture.md. One call runs in two
+Semantics are docs/contract.md sections 1-4 plus the decisions of docs/architecture.md. One call runs in two
 phases (seed section 7.2): the prologue of *every* token (packed-QKV split, QK-norm, RoPE, rounding
 to T, quantize-on-write, the cache write), then the attention of every token, so a token reads a
 cache that already holds every write of this call.
@@ -195,7 +195,7 @@ def _run(pb: Problem, inputs: dict, out):
     k = _f64(k_in).reshape(N, Hk, D)
     v_T = None if latent else np.ascontiguousarray(v_in).reshape(N, Hk, D).astype(T)
 
-    # --- token ownership and validity (SPEC 4.4, architecture.md) ------------------------------
+    # --- token ownership and validity (contract §4.4, architecture.md) ------------------------------
     cum = np.asarray(x["cumulative_sequence_length"]).astype(np.int64)
     past = np.asarray(x["past_seqlens"]).astype(np.int64)
     bt = np.asarray(x["block_table"]).astype(np.int64)

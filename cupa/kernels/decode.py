@@ -1,6 +1,6 @@
 """The paged flash-decoding backend: prologue, split-KV attention over pages with an fp32 merge of the splits.
 
-Split layout (SPEC 4.5): keys are cut at absolute positions that are multiples of ``chunk``,
+Split layout (contract §4.5): keys are cut at absolute positions that are multiples of ``chunk``,
 a value drawn only from static sizes (block_table capacity, token and head counts, the SM
 count), never from attention_metadata. The bound only decides how many trailing splits are
 launched, so absent, tight and loose bounds give bit-identical results; a launched split with

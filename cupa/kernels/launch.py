@@ -47,7 +47,7 @@ _TENSORS = tuple(n for n in INPUT_NAMES if n != "attention_metadata")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: index of each tensor input in :attr:`Call.ptrs`
 PTR_INDEX = {name: i for i, name in enumerate(_TENSORS)}
-# Inputs read with 16-byte vector loads (SPEC: head_size % 8 == 0 keeps rows aligned).
+# Inputs read with 16-byte vector loads (contract: head_size % 8 == 0 keeps rows aligned).
 _VECTOR_READ = ("query", "key", "value", "key_cache", "value_cache")
 _VECTOR_READ_INDEX = tuple(PTR_INDEX[n] for n in _VECTOR_READ)
 if _VECTOR_READ_INDEX != (0, 1, 2, 3, 4):  # Call checks ptrs[0..4] with one expression
