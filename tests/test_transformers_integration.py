@@ -119,22 +119,40 @@ def seed_of(rng) -> int:
     return int(rng.integers(1, 2 ** 31))
 
 
+#: the generation tests run on the CPU (the NumPy reference) and, GPU-marked, on CUDA (cupa's kernels)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+#: tokens per block of the CupaCache on each device
+BLOCK_SIZE = {"cpu": 4, "cuda": 16}
+
+
+@pytest.fixture
+def device(request):
+    name = request.param
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    return name
+
+
 # -- generate with a CupaCache ------------------------------------------------------------------------
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("kind", KINDS)
-def test_single_prompt(rng, kind):
+def test_single_prompt(rng, kind, device):
     seed = seed_of(rng)
-    rows = prompts(seed, [7])
-    _, ids, _, ref, got = generate_both(kind, seed, rows, max_cache_len=40)
+    _, ids, _, ref, got = generate_both(kind, seed, prompts(seed, [7]), device=device,
+                                        block_size=BLOCK_SIZE[device], max_cache_len=40)
+    assert got.sequences.device.type == device
     assert_same_greedy(ref, got, ids.shape[1], torch.float32)
 
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("kind", KINDS)
-def test_left_padded_batch(rng, kind, dtype):
+def test_left_padded_batch(rng, kind, dtype, device):
     seed = seed_of(rng)
-    rows = prompts(seed, [9, 4, 6] if dtype == "float32" else [8, 3])
-    _, ids, _, ref, got = generate_both(kind, seed, rows, DTYPES[dtype], max_cache_len=32)
+    rows = prompts(seed, [9, 4, 6] if dtype == "float32" or device == "cuda" else [8, 3])
+    _, ids, _, ref, got = generate_both(kind, seed, rows, DTYPES[dtype], device=device,
+                                        block_size=BLOCK_SIZE[device], max_cache_len=32)
     assert_same_greedy(ref, got, ids.shape[1], DTYPES[dtype])
 
 
@@ -170,25 +188,27 @@ def test_cache_pages_hold_the_history(rng):
             torch.testing.assert_close(stored, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_wrong_scale_changes_the_tokens(rng):
-    seed = seed_of(rng)
-    rows = prompts(seed, [9, 4, 6])
-    model = tiny_model("llama", seed)
-    ids, mask = left_padded(rows)
-    ref = greedy(model, ids, mask)
+def padded_reference(kind: str, seed: int, device="cpu"):
+    """A model, a left-padded batch of three prompts, and transformers' own greedy output for it."""
+    model = tiny_model(kind, seed, device=device)
+    ids, mask = left_padded(prompts(seed, [9, 4, 6]), device)
+    return model, ids, mask, greedy(model, ids, mask)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_wrong_scale_changes_the_tokens(rng, device):
+    model, ids, mask, ref = padded_reference("llama", seed_of(rng), device)
     model.set_attn_implementation(NAME)
     for layer in model.model.layers:
         layer.self_attn.scaling *= 1.5
-    got = greedy(model, ids, mask, cache=cupa_tf.CupaCache(model.config, max_cache_len=32))
+    got = greedy(model, ids, mask, cache=cupa_tf.CupaCache(model.config, block_size=BLOCK_SIZE[device],
+                                                           max_cache_len=32))
     assert not torch.equal(ref.sequences, got.sequences), "a wrong scale left every token unchanged"
 
 
-def test_dropped_sink_changes_the_tokens(rng):
-    seed = seed_of(rng)
-    rows = prompts(seed, [9, 4, 6])
-    model = tiny_model("gpt_oss", seed)
-    ids, mask = left_padded(rows)
-    ref = greedy(model, ids, mask)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_dropped_sink_changes_the_tokens(rng, device):
+    model, ids, mask, ref = padded_reference("gpt_oss", seed_of(rng), device)
 
     def without_sink(module, *args, s_aux=None, **kwargs):
         return cupa_tf.attention_forward(module, *args, **kwargs)
@@ -196,7 +216,8 @@ def test_dropped_sink_changes_the_tokens(rng):
     model.set_attn_implementation(NAME)
     AttentionInterface.register(NAME, without_sink)
     try:
-        got = greedy(model, ids, mask, cache=cupa_tf.CupaCache(model.config, max_cache_len=32))
+        got = greedy(model, ids, mask, cache=cupa_tf.CupaCache(model.config, block_size=BLOCK_SIZE[device],
+                                                               max_cache_len=32))
     finally:
         AttentionInterface.register(NAME, cupa_tf.attention_forward)
     assert not torch.equal(ref.sequences, got.sequences), "dropping the sinks left every token unchanged"
@@ -318,11 +339,13 @@ def continuous_both(kind, seed, lengths, device="cpu"):
     return ref, got, calls
 
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("kind", KINDS)
-def test_continuous_batching(rng, kind):
-    ref, got, calls = continuous_both(kind, seed_of(rng), [5, 2, 23, 9])
+def test_continuous_batching(rng, kind, device):
+    ref, got, calls = continuous_both(kind, seed_of(rng), [5, 2, 23, 9], device)
     assert got == ref
     assert {c.path for c in calls} == {"continuous batching: varlen"}
+    assert all(c.inputs["query"].device.type == device for c in calls)
     assert any(c.inputs["query"].shape[0] > 1 and int(c.inputs["past_seqlens"].max()) > 0 for c in calls), \
         "no batch mixed a chunk of prefill with cached tokens"
 
@@ -340,56 +363,3 @@ def test_continuous_batching_release_check(monkeypatch):
     assert cupa_tf._release() in cupa_tf.CONTINUOUS_BATCHING_RELEASES
     monkeypatch.setattr(cupa_tf.transformers, "__version__", "9.1.0")
     assert cupa_tf._release() == (9, 1)
-
-
-# -- GPU ----------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    return "cuda"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("kind", KINDS)
-def test_left_padded_batch_gpu(rng, cuda, kind, dtype):
-    seed = seed_of(rng)
-    rows = prompts(seed, [9, 4, 6])
-    _, ids, _, ref, got = generate_both(kind, seed, rows, DTYPES[dtype], device=cuda, block_size=16,
-                                        max_cache_len=48)
-    assert got.sequences.device.type == "cuda"
-    assert_same_greedy(ref, got, ids.shape[1], DTYPES[dtype])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", KINDS)
-def test_single_prompt_gpu(rng, cuda, kind):
-    seed = seed_of(rng)
-    _, ids, _, ref, got = generate_both(kind, seed, prompts(seed, [7]), device=cuda, block_size=16,
-                                        max_cache_len=40)
-    assert_same_greedy(ref, got, ids.shape[1], torch.float32)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", KINDS)
-def test_continuous_batching_gpu(rng, cuda, kind):
-    ref, got, calls = continuous_both(kind, seed_of(rng), [5, 2, 23, 9], device=cuda)
-    assert got == ref
-    assert calls and all(c.inputs["query"].device.type == "cuda" for c in calls)
-
-
-@pytest.mark.gpu
-def test_negative_controls_gpu(rng, cuda):
-    seed = seed_of(rng)
-    rows = prompts(seed, [9, 4, 6])
-    for kind in ("llama", "gpt_oss"):
-        model = tiny_model(kind, seed, device=cuda)
-        ids, mask = left_padded(rows, cuda)
-        ref = greedy(model, ids, mask)
-        model.set_attn_implementation(NAME)
-        for layer in model.model.layers:
-            layer.self_attn.scaling *= 1.5
-        got = greedy(model, ids, mask, cache=cupa_tf.CupaCache(model.config, block_size=16, max_cache_len=32))
-        assert not torch.equal(ref.sequences, got.sequences), kind

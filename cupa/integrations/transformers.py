@@ -153,7 +153,7 @@ def trace():
 # -- the paged cache -------------------------------------------------------------------------------
 
 class _BlockPool:
-    """Free block ids of a pool of ``num_blocks`` blocks (a stack; O(1) per block)."""
+    """The free block ids of a pool of ``num_blocks`` blocks, as a stack (host NumPy)."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = 0
