@@ -468,14 +468,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                       is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None,
                       **kwargs) -> tuple[torch.Tensor, None]:
-    """The ``AttentionInterface`` entry of cupa (see the module docstring for the four kinds of call).
+    """The ``AttentionInterface`` entry of cupa (see the module docstring for the three kinds of call).
 
     Parameters
     ----------
     module : the attention module (its ``config._attn_implementation`` names the registration)
     query : (B, H, Sq, D) tensor, after the model's RoPE and QK-norm
-    key, value : (B, Hk, Sk, D) tensors: the new tokens (CupaCache, fast path), the gathered history
-        (continuous batching, varlen), or the dense history (no cache, DynamicCache)
+    key, value : (B, Hk, Sk, D) tensors: the new tokens (CupaCache), the gathered history
+        (continuous batching, B = 1), or the dense history (no cache, DynamicCache)
     attention_mask : what cupa's mask function returned, or None
 
     Returns
@@ -505,7 +505,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                     [q_length, 0 if torch.compiler.is_compiling() else layer.seen], **feature)
         return out.view(batch, q_length, num_heads, -1), None
 
-    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:   # varlen
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:   # generate_batch
         cu_q, cu_k = kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
         max_k = int(kwargs["max_length_k"])
         lengths_k = cu_k[1:] - cu_k[:-1]
@@ -513,9 +513,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         values = value[0].transpose(0, 1).contiguous()
         # The cache has already written the new keys and values: nothing is written here (slot -1), so
         # key/value are placeholders the call never reads.
-        unread = keys.new_zeros((q_length, keys.shape[1] * keys.shape[2]))
-        out = _call(name, module, "continuous batching: varlen", query[0].transpose(0, 1).reshape(q_length, -1),
-                    unread, unread, keys.unsqueeze(1), values.unsqueeze(1),
+        unread = [keys.new_zeros((q_length, keys.shape[1] * keys.shape[2])) for _ in range(2)]
+        out = _call(name, module, "continuous batching", query[0].transpose(0, 1).reshape(q_length, -1),
+                    *unread, keys.unsqueeze(1), values.unsqueeze(1),
                     cu_q, lengths_k - (cu_q[1:] - cu_q[:-1]), _gathered_block_table(cu_k[:-1], lengths_k, max_k),
                     torch.full((q_length,), -1, dtype=torch.int32, device=query.device), head_sink,
                     [int(kwargs["max_length_q"]), max_k], **feature)
