@@ -293,6 +293,8 @@ class CupaCache(Cache):
         self.blocks_per_row = 0           # blocks every row holds (rows grow together: the padded length)
         self.table = np.zeros((0, 0), dtype=np.int32)
         self.block_table: Optional[torch.Tensor] = None   # (2B, width) int32: even rows -1 (padding), odd rows
+        self._pinned: Optional[torch.Tensor] = None        # CUDA: the host side of block_table's copies
+        self._copied = None                                 # CUDA: event after the last copy out of _pinned
         super().__init__(layers=[_CupaLayer(self, i, t == "sliding_attention") for i, t in enumerate(layer_types)])
 
     # -- allocation (host) --------------------------------------------------------------------------
@@ -317,14 +319,30 @@ class CupaCache(Cache):
         self._publish()
 
     def _publish(self) -> None:
-        """Copy the host table to the device table (in place while its width holds: the same pointer every step)."""
-        both = np.full((2 * self.batch_size_, self.table.shape[1]), -1, dtype=np.int32)
-        both[1::2] = self.table
-        host = torch.from_numpy(both)
-        if self.block_table is not None and self.block_table.shape == host.shape:
-            self.block_table.copy_(host)
+        """Copy the host table to the device table (in place while its width holds: the same pointer every step).
+
+        On CUDA the copy goes through a pinned buffer without blocking the host; the buffer is rewritten
+        only after the previous copy out of it (made ``block_size`` steps earlier at least) has completed.
+        """
+        shape = (2 * self.batch_size_, self.table.shape[1])
+        same = self.block_table is not None and tuple(self.block_table.shape) == shape
+        if self.device.type != "cuda":
+            both = torch.full(shape, -1, dtype=torch.int32)
+        elif same:
+            self._copied.synchronize()
+            both = self._pinned
         else:
-            self.block_table = host.to(self.device)
+            both = self._pinned = torch.empty(shape, dtype=torch.int32, pin_memory=True)
+        view = both.numpy()
+        view[0::2] = -1
+        view[1::2] = self.table
+        if same:
+            self.block_table.copy_(both, non_blocking=True)
+        else:
+            self.block_table = both.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _reserve(self, length: int) -> None:
         """Give every row blocks for ``length`` tokens (their padded length)."""
