@@ -1,7 +1,8 @@
 """cupa as a transformers attention implementation (cupa.integrations.transformers).
 
 Tiny randomly initialised models built from configs (no downloads): Llama (GQA), Qwen3 (QK-norm) and
-GPT-OSS (attention sinks, sliding-window layers alternating with full ones). Each generates 20 greedy
+GPT-OSS (attention sinks, sliding-window layers alternating with full ones), and Gemma 2 for logit
+softcapping and a scale other than 1/sqrt(head_dim). Each generates 20 greedy
 tokens with cupa and with transformers' own attention (sdpa; eager for GPT-OSS, which refuses sdpa):
 single prompts, left-padded batches (``generate`` with a CupaCache) and continuous batching
 (``generate_batch``). The tokens must be identical; in float16/bfloat16 a row may part at a step where
@@ -22,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from transformers import (AttentionInterface, AutoModelForCausalLM, ContinuousBatchingConfig,  # noqa: E402
-                          DynamicCache, GenerationConfig, GptOssConfig, LlamaConfig, Qwen3Config)
+                          DynamicCache, Gemma2Config, GenerationConfig, GptOssConfig, LlamaConfig, Qwen3Config)
 
 import cupa  # noqa: E402
 from cupa.integrations import transformers as cupa_tf  # noqa: E402
@@ -30,7 +31,7 @@ from cupa.integrations import transformers as cupa_tf  # noqa: E402
 NAME = cupa_tf.register()
 KINDS = ("llama", "qwen3", "gpt_oss")
 #: transformers' own attention each model is compared with
-REFERENCE = {"llama": "sdpa", "qwen3": "sdpa", "gpt_oss": "eager"}
+REFERENCE = {"llama": "sdpa", "qwen3": "sdpa", "gpt_oss": "eager", "gemma2": "eager"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: mantissa bits of each dtype, and the logit tolerance in units in the last place of the largest logit
 MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
@@ -48,6 +49,8 @@ def tiny_model(kind: str, seed: int, dtype=torch.float32, device="cpu", attn=Non
         config = LlamaConfig(**common, max_position_embeddings=256)
     elif kind == "qwen3":
         config = Qwen3Config(**common, max_position_embeddings=256)
+    elif kind == "gemma2":     # logit softcapping, a scale that is not 1/sqrt(head_dim), sliding layers
+        config = Gemma2Config(**common, sliding_window=4, attn_logit_softcapping=0.5, query_pre_attn_scalar=1)
     else:
         config = GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=2, sliding_window=4,
                               layer_types=["sliding_attention", "full_attention"])
@@ -154,6 +157,29 @@ def test_left_padded_batch(rng, kind, dtype, device):
     _, ids, _, ref, got = generate_both(kind, seed, rows, DTYPES[dtype], device=device,
                                         block_size=BLOCK_SIZE[device], max_cache_len=32)
     assert_same_greedy(ref, got, ids.shape[1], DTYPES[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_softcap_and_scale_gemma2(rng, device):
+    """Gemma 2: softcapped scores at scale 1 (query_pre_attn_scalar=1); dropping the softcap moves the logits."""
+    seed = seed_of(rng)
+    model, ids, mask, ref, got = generate_both("gemma2", seed, prompts(seed, [9, 4, 6]), device=device,
+                                               block_size=BLOCK_SIZE[device], max_cache_len=32)
+    assert model.model.layers[0].self_attn.scaling == 1.0
+    assert_same_greedy(ref, got, ids.shape[1], torch.float32)
+
+    def without_softcap(module, *args, softcap=None, **kwargs):
+        return cupa_tf.attention_forward(module, *args, **kwargs)
+
+    with torch.no_grad():
+        capped = model(ids, attention_mask=mask, use_cache=False).logits
+        AttentionInterface.register(NAME, without_softcap)
+        try:
+            uncapped = model(ids, attention_mask=mask, use_cache=False).logits
+        finally:
+            AttentionInterface.register(NAME, cupa_tf.attention_forward)
+    real = mask.bool()
+    assert (capped[real] - uncapped[real]).abs().max() > 1e-3 * capped[real].abs().max()
 
 
 def test_pool_grows_without_a_size(rng):
