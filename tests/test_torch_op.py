@@ -81,6 +81,20 @@ def reference(case, **extra):
 
 # -- CPU ----------------------------------------------------------------------------------------------
 
+def test_import_cupa_leaves_torch_alone():
+    """torch is an optional extra: `import cupa` imports neither torch nor the operator module."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = "import sys, cupa; print(sorted(m for m in ('torch', 'cupa.torch', 'transformers') if m in sys.modules))"
+    repo = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=repo, check=True,
+                         env=dict(os.environ, PYTHONPATH=repo))
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("kind", list(OPCHECK_CASES))
 def test_opcheck(rng, kind):
     case = make_case(rng, **OPCHECK_CASES[kind])
