@@ -190,6 +190,21 @@ def test_pool_grows_without_a_size(rng):
     assert_same_greedy(ref, got, ids.shape[1], torch.float32)
 
 
+def test_reset_returns_every_block(rng):
+    """reset() frees every block; the cache then serves another batch as a new one would."""
+    seed = seed_of(rng)
+    model = tiny_model("llama", seed, attn=NAME)
+    cache = cupa_tf.CupaCache(model.config, block_size=4, max_cache_len=32)
+    first, second = (left_padded(prompts(seed + i, [7, 3])) for i in (0, 1))
+    greedy(model, *first, cache=cache)
+    assert cache.pool.free.size < cache.pool.num_blocks
+    cache.reset()
+    assert cache.pool.free.size == cache.pool.num_blocks and cache.get_seq_length() == 0
+    again = greedy(model, *second, cache=cache)
+    fresh = greedy(model, *second, cache=cupa_tf.CupaCache(model.config, block_size=4, max_cache_len=32))
+    assert torch.equal(again.sequences, fresh.sequences)
+
+
 def test_cache_pages_hold_the_history(rng):
     """After generate, each row's pages hold exactly its real tokens' keys (what the model's projections give)."""
     seed = seed_of(rng)
