@@ -288,7 +288,7 @@ class CupaCache(Cache):
         self.fixed_pool = num_blocks is not None or max_cache_len is not None
         self._num_blocks = num_blocks
         self.pool: Optional[_BlockPool] = None
-        self.batch_size_ = 0
+        self._batch = 0
         self.device = None
         self.blocks_per_row = 0           # blocks every row holds (rows grow together: the padded length)
         self.table = np.zeros((0, 0), dtype=np.int32)
@@ -300,20 +300,20 @@ class CupaCache(Cache):
     # -- allocation (host) --------------------------------------------------------------------------
     def _initialize(self, key_states: torch.Tensor) -> None:
         if self.pool is not None:
-            if key_states.shape[0] != self.batch_size_:
+            if key_states.shape[0] != self._batch:
                 raise fail("key_states", f"a batch of {key_states.shape[0]} rows",
-                           f"{self.batch_size_} rows, the batch this CupaCache was filled with")
+                           f"{self._batch} rows, the batch this CupaCache was filled with")
             return
-        self.batch_size_ = int(key_states.shape[0])
+        self._batch = int(key_states.shape[0])
         self.device = key_states.device
         width = -(-self.max_cache_len // self.block_size) if self.max_cache_len is not None else \
             max(1, -(-2 * int(key_states.shape[2]) // self.block_size))
-        num_blocks = self._num_blocks if self._num_blocks is not None else self.batch_size_ * width
+        num_blocks = self._num_blocks if self._num_blocks is not None else self._batch * width
         self.pool = _BlockPool(num_blocks)
         self._set_width(width)
 
     def _set_width(self, width: int) -> None:
-        table = np.full((self.batch_size_, width), -1, dtype=np.int32)
+        table = np.full((self._batch, width), -1, dtype=np.int32)
         table[:self.table.shape[0], :self.table.shape[1]] = self.table
         self.table = table
         self._publish()
@@ -324,7 +324,7 @@ class CupaCache(Cache):
         On CUDA the copy goes through a pinned buffer without blocking the host; the buffer is rewritten
         only after the previous copy out of it (made ``block_size`` steps earlier at least) has completed.
         """
-        shape = (2 * self.batch_size_, self.table.shape[1])
+        shape = (2 * self._batch, self.table.shape[1])
         same = self.block_table is not None and tuple(self.block_table.shape) == shape
         if self.device.type != "cuda":
             both = torch.full(shape, -1, dtype=torch.int32)
@@ -353,7 +353,7 @@ class CupaCache(Cache):
             if self.max_cache_len is not None:
                 raise fail("cache", f"{length} tokens in a row", f"at most max_cache_len={self.max_cache_len}")
             self._set_width(max(need, 2 * self.table.shape[1]))
-        count = (need - self.blocks_per_row) * self.batch_size_
+        count = (need - self.blocks_per_row) * self._batch
         ids = self.pool.allocate(count)
         if ids is None:
             if self.fixed_pool:
@@ -361,7 +361,7 @@ class CupaCache(Cache):
                            f"at most the {self.pool.free.size} free of num_blocks={self.pool.num_blocks}")
             self._grow(max(2 * self.pool.num_blocks, self.pool.num_blocks + count))
             ids = self.pool.allocate(count)
-        self.table[:, self.blocks_per_row:need] = ids.reshape(self.batch_size_, need - self.blocks_per_row)
+        self.table[:, self.blocks_per_row:need] = ids.reshape(self._batch, need - self.blocks_per_row)
         self.blocks_per_row = need
         self._publish()
 
