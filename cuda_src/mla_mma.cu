@@ -291,9 +291,19 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
 #pragma unroll
       for (int smt = 0; smt < SMT; ++smt) {
         const int mt = rw * SMT + smt;
+        // m_run / cf of m-tile mt (a run-time index: selected, so they stay in registers)
+        float mr[2] = {CUPA_NEG_INF, CUPA_NEG_INF}, cr[2] = {1.0f, 1.0f};
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+          if (m == mt) {
+            mr[0] = m_run[m][0];
+            mr[1] = m_run[m][1];
+            cr[0] = cf[m][0];
+            cr[1] = cf[m][1];
+          }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const float base = m_run[mt][i] == CUPA_NEG_INF ? 0.0f : m_run[mt][i];
+          const float base = mr[i] == CUPA_NEG_INF ? 0.0f : mr[i];
           const int row = mt * 16 + (lane >> 2) + 8 * i;
           float sum = 0.0f;
 #pragma unroll
@@ -302,7 +312,7 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
             sum += p0 + p1;
             *reinterpret_cast<unsigned*>(sP + swz<64>(row, kw * 16 + j * 8 + 2 * (lane & 3))) = Mma<T>::pack(p0, p1);
           }
-          l_s[smt][i] = l_s[smt][i] * cf[mt][i] + sum;
+          l_s[smt][i] = l_s[smt][i] * cr[i] + sum;
         }
       }
     }

@@ -348,7 +348,6 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
   __syncthreads();
   const float* fin = reinterpret_cast<const float*>(sP);
   float M[2], Lsum[2];
-  float M[2], Lsum[2];
   bool write[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
