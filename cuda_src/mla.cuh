@@ -114,8 +114,9 @@ CUPA_DEVICE void mla_zero_pass(T* __restrict__ out, float* __restrict__ lse, con
 // Output of one thread's accumulator block: rows row0 and row0 + 8 of the tile (i = 0, 1; written only
 // where write[i]), channels ch0 + 8j + 2(lane % 4) + {0, 1} for j < NT, value o(j, 2i + e) -- the
 // m16n8 C-fragment layout of mma.sync and of every wgmma accumulator. direct: finalized into `out`
-// (V scale of channel c: k_scale's, the latent's own); else this split's fp32 partial into part_o.
-template <typename T, int NT, typename Acc>
+// (QUANT: times the V scale of the channel, k_scale's: the latent's own); else this split's fp32
+// partial into part_o.
+template <typename T, int NT, bool QUANT, typename Acc>
 CUPA_DEVICE void mla_store_o(const Acc& o, int lane, int row0, int ch0, const float (&M)[2], const float (&L)[2],
                              const bool (&write)[2], long long r0, int split, int num_splits, bool direct,
                              const float* k_scale, int k_quant, T* __restrict__ out, float* __restrict__ part_o) {
@@ -123,15 +124,19 @@ CUPA_DEVICE void mla_store_o(const Acc& o, int lane, int row0, int ch0, const fl
   for (int i = 0; i < 2; ++i) {
     if (!write[i]) continue;
     const long long R = r0 + row0 + 8 * i;
+    // finalize() of a unit O is the row's factor (1/L; 0 without admitted keys)
+    const float factor = finalize(M[i], L[i], 1.0f, false, 0.0f, 1.0f);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const int ch = ch0 + 8 * j + 2 * (lane & 3);
       const float v0 = o(j, 2 * i), v1 = o(j, 2 * i + 1);
       if (direct) {
-        const float s0 = k_quant ? quant_scale(k_scale, k_quant, 0, MLA_D, ch) : 1.0f;
-        const float s1 = k_quant ? quant_scale(k_scale, k_quant, 0, MLA_D, ch + 1) : 1.0f;
-        T pair[2] = {Act<T>::from_float(finalize(M[i], L[i], v0, false, 0.0f, s0)),
-                     Act<T>::from_float(finalize(M[i], L[i], v1, false, 0.0f, s1))};
+        float s0 = factor, s1 = factor;
+        if (QUANT) {
+          s0 *= quant_scale(k_scale, k_quant, 0, MLA_D, ch);
+          s1 *= quant_scale(k_scale, k_quant, 0, MLA_D, ch + 1);
+        }
+        T pair[2] = {Act<T>::from_float(v0 * s0), Act<T>::from_float(v1 * s1)};
         *reinterpret_cast<unsigned*>(out + R * MLA_DV + ch) = *reinterpret_cast<const unsigned*>(pair);
       } else {
         *reinterpret_cast<float2*>(part_o + (R * num_splits + split) * MLA_DV + ch) = make_float2(v0, v1);

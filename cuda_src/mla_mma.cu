@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
       if (warp == 0 && (lane & 3) == 0 && write[i])
         mla_store_state(M[i], Lsum[i], tl.r0 + row, split, num_splits, direct, lse, part_ml);
     }
-    mla_store_o<T, NT>([&](int j, int e) { return o[mt][j][e]; }, lane, mt * 16 + (lane >> 2), warp * CH, M, Lsum,
+    mla_store_o<T, NT, Cache::quantized>([&](int j, int e) { return o[mt][j][e]; }, lane, mt * 16 + (lane >> 2), warp * CH, M, Lsum,
                        write, tl.r0, split, num_splits, direct, k_scale, k_quant, out, part_o);
   }
   if (!direct)

@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
   const int ch0 = tid < 128 ? 0 : 256;
 #pragma unroll
   for (int h = 0; h < 2; ++h)
-    mla_store_o<T, 16>([&](int j, int e) { return o[h][4 * j + e]; }, lane, row0, ch0 + 128 * h, M, Lsum, write,
+    mla_store_o<T, 16, false>([&](int j, int e) { return o[h][4 * j + e]; }, lane, row0, ch0 + 128 * h, M, Lsum, write,
                        tl.r0, split, num_splits, direct, k_scale, 0, out, part_o);
   if (!direct)
     merge_splits_if_last<T, MLA_DV / 32>(counters + x, &tile->last, s_first, s_last, tl.owned_hi - tl.owned_lo,
