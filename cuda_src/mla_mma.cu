@@ -179,8 +179,8 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int row = (rw * SMT + smt) * 16 + (lane >> 2) + 8 * i;
-      slo[smt][i] = sLo[row];
-      shi[smt][i] = sHi[row];
+      slo[smt][i] = s_warp ? sLo[row] : 0;
+      shi[smt][i] = s_warp ? sHi[row] : 0;
     }
   float o[MT][NT][4];
 #pragma unroll
