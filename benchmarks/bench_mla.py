@@ -130,7 +130,8 @@ def main(argv=None):
     write_json(args.out, payload)
     print(f"read probe {roof['tb_per_s']:.2f} TB/s; roofline used {best_bw:.2f} TB/s; compute floor at "
           f"{args.tflops:.0f} TFLOP/s")
-    head = f"{'case':36s} {'path':9s} {'us':>9s} {'TB/s':>6s} {'TFLOP/s':>8s} {'mem floor':>9s} {'flop floor':>10s}  target"
+    head = (f"{'case':36s} {'path':9s} {'us':>9s} {'TB/s':>6s} {'TFLOP/s':>8s} {'mem floor':>9s} "
+            f"{'flop floor':>10s}  target")
     print(head)
     for row in results:
         for label, _ in paths:

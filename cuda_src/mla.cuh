@@ -86,6 +86,30 @@ CUPA_DEVICE bool mla_locate_tile(long long x, const int* cum, const int* past, i
   return true;
 }
 
+// The start of an MLA CTA past the zero pass (every thread calls it): locate row tile x and the splits that
+// meet its rows' keys. False -- after waiting for the prologue, as every CTA does before it exits -- when
+// the CTA has nothing to write (a gap between sequences' tiles, no owned row, or a split outside them).
+template <int ROWS>
+CUPA_DEVICE bool mla_begin_tile(long long x, int split, int chunk, int num_splits, const int* cum, const int* past,
+                                int batch_size, int token_count, int num_heads, const int* query_positions,
+                                long long kv_capacity, int rotary_max_pos, int is_causal, int window, int* sTok,
+                                int* sHead, int* sLo, int* sHi, MlaTile* tile, MlaTile& tl, int& s_first,
+                                int& s_last) {
+  // The rows and ranges read only inputs the prologue does not write: before the wait.
+  if (!mla_locate_tile<ROWS>(x, cum, past, batch_size, token_count, num_heads, query_positions, kv_capacity,
+                             rotary_max_pos, is_causal, window, sTok, sHead, sLo, sHi, tile)) {
+    grid_dependency_wait();
+    return false;
+  }
+  tl = *tile;
+  split_span(tl.lo, tl.hi, chunk, num_splits, s_first, s_last);
+  if (tl.owned_hi <= tl.owned_lo || split < s_first || split > s_last) {
+    grid_dependency_wait();
+    return false;
+  }
+  return true;
+}
+
 // Rows of tokens no sequence owns (t >= cum[B], or cum[find_owner(t)] > t) get zeros and lse -inf; the
 // row tiles write every other row once. CTA z checks tokens z * blockDim.x + threadIdx.x; each warp
 // then zeroes its unowned tokens one after the other.

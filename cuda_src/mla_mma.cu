@@ -108,19 +108,12 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
   const long long x = (long long)num_tiles - 1 - ((int)blockIdx.x - zero_ctas);  // heaviest tiles first
   const int split = blockIdx.y;
   const long long kv_capacity = (long long)max_blocks * block_size;
-  // The tile's rows and ranges read only inputs the prologue does not write: before the wait.
-  if (!mla_locate_tile<ROWS>(x, cum, past, batch_size, token_count, num_heads, query_positions, kv_capacity,
-                             rotary_max_pos, is_causal, window, sHi + ROWS, sHi + 2 * ROWS, sLo, sHi, tile)) {
-    grid_dependency_wait();
-    return;
-  }
-  const MlaTile tl = *tile;
+  MlaTile tl;
   int s_first, s_last;
-  split_span(tl.lo, tl.hi, chunk, num_splits, s_first, s_last);
-  if (tl.owned_hi <= tl.owned_lo || split < s_first || split > s_last) {  // nothing to write here
-    grid_dependency_wait();
+  if (!mla_begin_tile<ROWS>(x, split, chunk, num_splits, cum, past, batch_size, token_count, num_heads,
+                            query_positions, kv_capacity, rotary_max_pos, is_causal, window, sHi + ROWS,
+                            sHi + 2 * ROWS, sLo, sHi, tile, tl, s_first, s_last))
     return;
-  }
   const bool direct = s_first == s_last;
   const MlaKeys keys = mla_keys(tl, split, chunk, KEYS, 1);
   const int ntiles = keys.ntiles;
@@ -323,7 +316,8 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
     for (int kk = 0; kk < KEYS / 16; ++kk) {
       unsigned a[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], sP + swz<64>(mt * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
+      for (int mt = 0; mt < MT; ++mt)
+        ldmatrix_x4(a[mt], sP + swz<64>(mt * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
       const int mi = lane >> 3;
 #pragma unroll
       for (int nn = 0; nn < CH / 16; ++nn) {
@@ -370,8 +364,9 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
       if (warp == 0 && (lane & 3) == 0 && write[i])
         mla_store_state(M[i], Lsum[i], tl.r0 + row, split, num_splits, direct, lse, part_ml);
     }
-    mla_store_o<T, NT, Cache::quantized>([&](int j, int e) { return o[mt][j][e]; }, lane, mt * 16 + (lane >> 2), warp * CH, M, Lsum,
-                       write, tl.r0, split, num_splits, direct, k_scale, k_quant, out, part_o);
+    mla_store_o<T, NT, Cache::quantized>([&](int j, int e) { return o[mt][j][e]; }, lane, mt * 16 + (lane >> 2),
+                                         warp * CH, M, Lsum, write, tl.r0, split, num_splits, direct, k_scale, k_quant,
+                                         out, part_o);
   }
   if (!direct)
     merge_splits_if_last<T, MLA_DV / 32>(counters + x, &tile->last, s_first, s_last, tl.owned_hi - tl.owned_lo,

@@ -108,20 +108,13 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
   const long long x = (long long)num_tiles - 1 - ((int)blockIdx.x - zero_ctas);  // heaviest tiles first
   const int split = blockIdx.y;
   const long long kv_capacity = (long long)max_blocks * block_size;
-  // (sTok / sHead scratch in the P buffer, free until the first tile)
-  int* scratch = reinterpret_cast<int*>(sP);
-  if (!mla_locate_tile<ROWS>(x, cum, past, batch_size, token_count, num_heads, query_positions, kv_capacity,
-                             rotary_max_pos, is_causal, window, scratch, scratch + ROWS, sLo, sHi, tile)) {
-    grid_dependency_wait();
-    return;
-  }
-  const MlaTile tl = *tile;
+  int* scratch = reinterpret_cast<int*>(sP);  // sTok / sHead: the P buffer is free until the first tile
+  MlaTile tl;
   int s_first, s_last;
-  split_span(tl.lo, tl.hi, chunk, num_splits, s_first, s_last);
-  if (tl.owned_hi <= tl.owned_lo || split < s_first || split > s_last) {  // nothing to write here
-    grid_dependency_wait();
+  if (!mla_begin_tile<ROWS>(x, split, chunk, num_splits, cum, past, batch_size, token_count, num_heads,
+                            query_positions, kv_capacity, rotary_max_pos, is_causal, window, scratch,
+                            scratch + ROWS, sLo, sHi, tile, tl, s_first, s_last))
     return;
-  }
   const bool direct = s_first == s_last;
   const MlaKeys keys = mla_keys(tl, split, chunk, KEYS, KEYS);  // tiles from a multiple of 64: whole TMA boxes
   const int ntiles = keys.ntiles;
@@ -303,7 +296,8 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
       mbar_wait(p_full, kt & 1);
       unsigned a[KEYS / 16][4];
 #pragma unroll
-      for (int j2 = 0; j2 < KEYS / 16; ++j2) ldmatrix_x4(a[j2], sP + swz<64>(16 * wr + (lane & 15), 16 * j2 + (lane >> 4) * 8));
+      for (int j2 = 0; j2 < KEYS / 16; ++j2)
+        ldmatrix_x4(a[j2], sP + swz<64>(16 * wr + (lane & 15), 16 * j2 + (lane >> 4) * 8));
       const float c0 = sScale[row0], c1 = sScale[row0 + 8];
       mbar_arrive(p_empty);
       mbar_wait(full(st), (kt >> 1) & 1);  // (complete: A waited for it before this tile's S)

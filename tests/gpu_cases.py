@@ -28,8 +28,8 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
           spare_blocks=3):
     """NumPy inputs + attributes of a random paged problem (decode-shaped by default)."""
     T = NP_DTYPES[dtype]
-    q_lens, past, kv_lens, N, cum, bt, num_blocks = _sequences(rng, B, q_lens, past, block_size, max_blocks,
-                                                               block_table, spare_blocks)
+    q_lens, past, kv_lens, N, cum, bt, num_blocks = random_sequences(rng, B, q_lens, past, block_size, max_blocks,
+                                                                     block_table, spare_blocks)
     B = len(q_lens)
 
     def act(*shape, scale=1.0):
@@ -81,7 +81,7 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
     return inputs, attrs
 
 
-def _sequences(rng, B, q_lens, past, block_size, max_blocks, block_table, spare_blocks):
+def random_sequences(rng, B, q_lens, past, block_size, max_blocks, block_table, spare_blocks):
     """Lengths, cumulative_sequence_length and a block table drawn from a shuffled pool (``block_table``:
     "shuffled", "shared" (sequence 1 shares sequence 0's first block) or "unmapped" (evicted and out-of-range
     entries)). Returns (q_lens, past, kv_lens, N, cum, block_table, num_blocks)."""
@@ -127,8 +127,8 @@ def build_latent(rng, *, B=4, H=16, block_size=64, dtype="float16", q_lens=None,
     of T or fp8 codes (uint8 bytes, k_scale PER_TENSOR or PER_CHANNEL), v_head_size 512, an explicit scale,
     and with ``rotary`` RoPE on channels 512..575 (rotary_offset 512)."""
     T = NP_DTYPES[dtype]
-    q_lens, past, kv_lens, N, cum, bt, num_blocks = _sequences(rng, B, q_lens, past, block_size, max_blocks,
-                                                               block_table, spare_blocks)
+    q_lens, past, kv_lens, N, cum, bt, num_blocks = random_sequences(rng, B, q_lens, past, block_size, max_blocks,
+                                                                     block_table, spare_blocks)
     D = MLA_D
     attrs = dict(num_heads=H, kv_num_heads=1, kv_cache_layout="LATENT", v_head_size=MLA_DV, scale=scale,
                  softcap=softcap, local_window_size=window, is_causal=is_causal, return_lse=return_lse)

@@ -183,18 +183,8 @@ def _absorbed_pair(rng, H=16, q_lens=(1, 3, 1), past=(90, 40, 7), bs=16):
     """One problem in both forms, float16, from one random latent: absorbed (576/512, one latent head) and
     non-absorbed (192/192 with V zero-padded past 128, kv_num_heads = H) with random W_UK, W_UV."""
     T = np.float16
-    q_lens, past = np.asarray(q_lens), np.asarray(past)
-    B, N = len(q_lens), int(q_lens.sum())
-    kv = past + q_lens
-    need = [max(1, -(-int(L) // bs)) for L in kv]
-    MB, NB = max(need) + 1, sum(need) + 2
-    perm = rng.permutation(NB)
-    bt = np.full((B, MB), -1, np.int32)
-    used = 0
-    for b in range(B):
-        bt[b, :need[b]] = perm[used:used + need[b]]
-        used += need[b]
-    cum = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q_lens, past, _, N, cum, bt, NB = gc.random_sequences(rng, len(q_lens), q_lens, past, bs, None, "shuffled", 2)
+    past = np.asarray(past, np.int32)
     W_UK = rng.standard_normal((H, NOPE, DV)) / math.sqrt(DV)
     W_UV = rng.standard_normal((H, NOPE, DV)) / math.sqrt(DV)
     lat = rng.standard_normal((NB, bs, 1, D)).astype(T)                      # k_pe stored rotated already
@@ -212,7 +202,7 @@ def _absorbed_pair(rng, H=16, q_lens=(1, 3, 1), past=(90, 40, 7), bs=16):
     kc_na, vc_na = decompress(lat[:, :, 0])
     k_new, v_new = decompress(c_new)
     scale = 1.0 / math.sqrt(NOPE + ROPE)
-    common = dict(cumulative_sequence_length=cum, past_seqlens=past.astype(np.int32), block_table=bt)
+    common = dict(cumulative_sequence_length=cum, past_seqlens=past, block_table=bt)
     q_abs = np.concatenate([np.einsum("nhc,hcr->nhr", q_nope, W_UK).astype(T), q_pe], axis=2)
     absorbed = dict(query=q_abs.reshape(N, H * D), key=c_new, key_cache=lat, **common)
     abs_attrs = dict(num_heads=H, kv_num_heads=1, kv_cache_layout="LATENT", v_head_size=DV, scale=scale)
@@ -395,9 +385,10 @@ def test_fp8_latent_accuracy_report(cp, rng, path, kq):
         out, lse, _ = check_latent(cp, fp8, fp8_attrs, cache="fp8")  # the kernel on the codes: SPEC tolerance
         exact_out, exact_lse = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v)
                                                        for k, v in inputs.items()}, **gc.host_attrs(attrs))
-        err = gc.rel_error(cp.asnumpy(out), exact_out)
+        got = cp.asnumpy(out).astype(np.float64)
+        err = gc.rel_error(got, exact_out)
         dlse = np.abs(lse - exact_lse)
         print(f"fp8 latent {kq:11s} H={H:3d} ({path}): output relative error {err:.3e}, "
-              f"max |out - out_fp16| {np.abs(cp.asnumpy(out).astype(np.float64) - exact_out.astype(np.float64)).max():.3e}, "
+              f"max |out - out_fp16| {np.abs(got - exact_out.astype(np.float64)).max():.3e}, "
               f"lse error mean {dlse.mean():.3e} max {dlse.max():.3e}")
         assert err < 0.1, err
