@@ -221,16 +221,20 @@ def test_specializations_cover_every_kernel_choice():
         "paged_mla_wgmma<__half, CacheSame<__half>>", "paged_mla_wgmma<__nv_bfloat16, CacheSame<__nv_bfloat16>>"]
 
 
-def test_portable_kernel_compiles_for_sm_80_within_its_registers():
-    """One portable specialization, offline: no spills at 256 threads (the full matrix is python -m cupa.compile)."""
+def test_kernels_compile_without_spills():
+    """The wgmma kernel for sm_90a (NVRTC never serializes its wgmma: no C7520 'serialized' note) and one portable
+    configuration for sm_80, offline, without spills (the whole matrix: python -m cupa.compile --check)."""
     try:
         jit.nvrtc_version()
     except Exception as exc:  # pragma: no cover - NVRTC missing
         pytest.skip(f"NVRTC unavailable: {exc}")
-    r = jit.compile_offline(registry.mla_mma_spec("bfloat16", "fp8", 16, 32), "sm_80")
-    assert r.ok, r.log
-    if r.has_stats:
-        assert not r.spills and r.registers <= 255, r.summary()
+    cases = ((registry.mla_wgmma_spec("float16"), "sm_90a"), (registry.mla_mma_spec("bfloat16", "fp8", 16, 32), "sm_80"))
+    for spec, arch in cases:
+        r = jit.compile_offline(spec, arch)
+        assert r.ok, r.log
+        assert "serialized" not in r.log, r.log
+        if r.has_stats:
+            assert not r.spills and r.registers <= 255, r.summary()
 
 
 def test_reference_runs_the_latent_builder(rng):
