@@ -135,6 +135,17 @@ CUPA_DEVICE void mla_zero_pass(T* __restrict__ out, float* __restrict__ lse, con
   }
 }
 
+// The first zero_ctas CTAs of an MLA grid: the zero pass (split 0), then the prologue wait every CTA makes
+// before it exits. True for them.
+template <typename T>
+CUPA_DEVICE bool mla_zero_ctas(int zero_ctas, T* __restrict__ out, float* __restrict__ lse, const int* __restrict__ cum,
+                               int batch_size, int token_count, int num_heads) {
+  if ((int)blockIdx.x >= zero_ctas) return false;
+  if (blockIdx.y == 0) mla_zero_pass<T>(out, lse, cum, batch_size, token_count, num_heads);
+  grid_dependency_wait();
+  return true;
+}
+
 // Output of one thread's accumulator block: rows row0 and row0 + 8 of the tile (i = 0, 1; written only
 // where write[i]), channels ch0 + 8j + 2(lane % 4) + {0, 1} for j < NT, value o(j, 2i + e) -- the
 // m16n8 C-fragment layout of mma.sync and of every wgmma accumulator. direct: finalized into `out`

@@ -90,11 +90,7 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
   constexpr int MT = Cfg::MT, NT = Cfg::NT, CH = Cfg::CH, SKW = Cfg::S_KEY_WARPS, SMT = Cfg::S_MT;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  if ((int)blockIdx.x < zero_ctas) {
-    if (blockIdx.y == 0) mla_zero_pass<T>(out, lse, cum, batch_size, token_count, num_heads);
-    grid_dependency_wait();  // (every CTA waits before it exits: see common.cuh)
-    return;
-  }
+  if (mla_zero_ctas<T>(zero_ctas, out, lse, cum, batch_size, token_count, num_heads)) return;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem + L::q_at);
   unsigned char* stages = smem + L::stage_at;

@@ -84,11 +84,7 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
   constexpr int D = MLA_D, ROWS = Cfg::ROWS, KEYS = Cfg::KEYS, SLAB = Cfg::SLAB;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  if ((int)blockIdx.x < zero_ctas) {
-    if (blockIdx.y == 0) mla_zero_pass<T>(out, lse, cum, batch_size, token_count, num_heads);
-    grid_dependency_wait();  // (every CTA waits before it exits: see common.cuh)
-    return;
-  }
+  if (mla_zero_ctas<T>(zero_ctas, out, lse, cum, batch_size, token_count, num_heads)) return;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   T* sP = reinterpret_cast<T*>(smem + L::p_at);
