@@ -123,10 +123,10 @@ CUPA_DEVICE void mla_zero_pass(T* __restrict__ out, float* __restrict__ lse, con
     const int b = find_owner(cum, batch_size, (int)t);
     zero = b >= batch_size || __ldg(cum + b) > t;
   }
-  unsigned todo = __ballot_sync(0xffffffffu, zero);
-  while (todo) {
-    const int i = __ffs(todo) - 1;
-    todo &= todo - 1;
+  unsigned unowned = __ballot_sync(0xffffffffu, zero);
+  while (unowned) {
+    const int i = __ffs(unowned) - 1;
+    unowned &= unowned - 1;
     const long long tok = t - lane + i;
     uint4* row = reinterpret_cast<uint4*>(out + tok * num_heads * MLA_DV);
     for (int c = lane; c < num_heads * (MLA_DV / 8); c += 32) row[c] = make_uint4(0u, 0u, 0u, 0u);
