@@ -57,18 +57,27 @@ class _Tuning:
         SMs of the prologue launched beside the prefill kernel (512-thread CTAs, one per SM).
     prefill_ws_ctas : int or None, default None
         Persistent CTAs of the warp-specialized wgmma prefill (None: one per SM).
+    mla_wgmma : bool, default True
+        Compute capability 9.0, 16-bit latent caches: the wgmma MLA kernel where a tile has 64 rows;
+        False: the portable mma.sync kernel there too (A/B runs).
+    mla_waves : int, default 1
+        Waves of resident CTAs (every SM full) the MLA split plan aims for.
     """
 
     decode_ctas_per_sm: int = 2
     decode_keys_as_m: bool = True
     prologue_beside_sms: int = 32
     prefill_ws_ctas: Optional[int] = None
+    mla_wgmma: bool = True
+    mla_waves: int = 1
 
     def __post_init__(self):
         _positive_int("_tuning.decode_ctas_per_sm", self.decode_ctas_per_sm)
         _flag("_tuning.decode_keys_as_m", self.decode_keys_as_m)
         _positive_int("_tuning.prologue_beside_sms", self.prologue_beside_sms)
         _positive_int("_tuning.prefill_ws_ctas", self.prefill_ws_ctas, allow_none=True)
+        _flag("_tuning.mla_wgmma", self.mla_wgmma)
+        _positive_int("_tuning.mla_waves", self.mla_waves)
 
 
 @dataclass(frozen=True)
