@@ -24,11 +24,13 @@ def decode_spec(dtype: str, cache_kind: str, head_chunk: int) -> Specialization:
     return Specialization("decode", f"paged_decode<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_chunk}>")
 
 
-def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, keys_as_m: bool = False) -> Specialization:
-    """``keys_as_m``: the 8-bit caches' loop with keys as the MMA's M dimension (GQA groups of <= 8 heads)."""
+def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, keys_as_m: bool = False,
+                    stages: int = 3) -> Specialization:
+    """``keys_as_m``: the 8-bit caches' loop with keys as the MMA's M dimension (GQA groups of <= 8 heads);
+    ``stages``: the K/V pipeline depth (3, or 2 where shared memory is short: decode.py chooses)."""
     return Specialization(
-        "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>",
-        ("-DCUPA_MMA8_T=1",) if keys_as_m else ())
+        "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, "
+                      f"{stages}, {'true' if keys_as_m else 'false'}>")
 
 
 def prefill_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
@@ -58,12 +60,14 @@ def all_specializations() -> list:
             specs.append(prologue_spec(dtype, kind))
             specs.extend(decode_spec(dtype, kind, gt) for gt in types.HEAD_CHUNKS)
     from .decode import MMA_HEAD_SIZES
+    MMA_STAGES = (3, 2)  # decode.py picks the deepest that fits the device (STAGES in decode_mma.cu)
 
     for dtype in ("float16", "bfloat16"):
         for kind in types.CACHE_CXX:
-            specs.extend(decode_mma_spec(dtype, kind, d) for d in MMA_HEAD_SIZES)
-            if kind != "T":
-                specs.extend(decode_mma_spec(dtype, kind, d, keys_as_m=True) for d in MMA_HEAD_SIZES)
+            for stages in MMA_STAGES:
+                specs.extend(decode_mma_spec(dtype, kind, d, stages=stages) for d in MMA_HEAD_SIZES)
+                if kind != "T":
+                    specs.extend(decode_mma_spec(dtype, kind, d, keys_as_m=True, stages=stages) for d in MMA_HEAD_SIZES)
     from .prefill import PREFILL_DTYPES, PREFILL_HEAD_SIZES
 
     for dtype in PREFILL_DTYPES:
