@@ -1,6 +1,6 @@
-// The per-tile softmax and the epilogue shared by the two wgmma prefill kernels (prefill_wgmma.cu,
-// prefill_wgmma_ws.cu), on the accumulator layout of wgmma.m64nNk16 (wgmma.cuh): lane l of warp w
-// of a warpgroup holds rows 16w + l/4 and 16w + l/4 + 8, d[4j + e] = D[row (e/2 ? +8)][8j + 2(l%4) + e%2].
+// The per-tile softmax and the epilogue of the wgmma prefill (prefill_wgmma_ws.cu), on the
+// accumulator layout of wgmma.m64nNk16 (wgmma.cuh): lane l of warp w of a warpgroup holds rows
+// 16w + l/4 and 16w + l/4 + 8, d[4j + e] = D[row (e/2 ? +8)][8j + 2(l%4) + e%2].
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"

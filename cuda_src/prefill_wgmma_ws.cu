@@ -1,6 +1,11 @@
 // Paged prefill on Hopper, warp-specialized and persistent (sm_90a only): fp16/bf16 T, T caches,
-// head_size 128. The contract, tile numbering, masking and SPEC 4.4 rules of paged_prefill_wgmma
-// (prefill_wgmma.cu); what changes is who does what, and when.
+// head_size 128. The contract, row tiles (ROWS = 128 (new token, query head) rows of one sequence
+// and one KV head, token-major), tile numbering over a ragged batch, zero pass and SPEC 4.4 rules of
+// paged_prefill (prefill.cu, prefill_tiles.cuh), with both products on wgmma. Reads: Q (the
+// prologue's workspace or `query`), the caches through the block table (or new K/V from key /
+// value: NewKeys), cum / past_seqlens / query_positions, head_sink. Writes: `out`. Host values that
+// size the launch: token_count, batch_size, head counts (num_tiles, zero_ctas) and the CTA count
+// (at most one per SM); none enters a mask.
 //
 // One CTA per SM (512 threads, ~200 KB of shared memory) loops over the work items (row tile x, KV
 // head g; numbered heaviest first as the one-CTA-per-item kernels number their CTAs), round r taking
@@ -115,8 +120,8 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   constexpr int KC = KEYS / (CPT / 32);  // keys of a tile per copier warp
   static_assert(KEYS == 128 && KC == 32 && ROWS == ST && NQ == 2, "copier lane l: key l of its warp's 32; scheduler thread i: row i");
 
-  // As paged_prefill_wgmma: without new-key inputs every CTA waits for the prologue here; with them
-  // CTA 0 does, and a copier warp before its first cache read.
+  // As paged_prefill: without new-key inputs every CTA waits for the prologue here; with them CTA 0
+  // does, and a copier warp before its first cache read.
   const bool kv_new = key != nullptr;
   if (!kv_new || blockIdx.x == 0) grid_dependency_wait();
   if ((int)blockIdx.x < zero_ctas) {
@@ -409,7 +414,15 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   if (u == 1) bar_arrive(WS_BAR_TURN, CT);  // warpgroup 0 takes the first turn
 
   const WgScores sc(scale, softcap);
-  // Descriptors (prefill_wgmma.cu's layout notes, with KEYS = 128): K-major Q and K, MN-major V.
+  // Shared-memory layouts (16-bit, 128B swizzle; descriptor fields in wgmma.cuh): a [rows][128] tile
+  // (a Q buffer: rows = ROWS; K, V: rows = KEYS) is two slabs [rows][64], slab h holding columns
+  // 64h..64h+63 at byte h*rows*128, element (r, c) of a slab at r*128 + ((c/8 ^ r%8) * 16) + (c%8)*2
+  // (wg_off); every slab starts 1024-aligned.
+  //   Q (A of S, K-major), warpgroup u, k16 step kk: start = Q + (kk/4)*ROWS*128 + u*64*128 + (kk%4)*32,
+  //     SBO = 1024 (the next 8 rows), LBO unused.
+  //   K (B of S, K-major, N = KEYS keys): start = K + (kk/4)*KEYS*128 + (kk%4)*32, SBO = 1024.
+  //   V (B of O, MN-major, N = 128 channels = two 64-wide slabs, K = 16 keys per step j2):
+  //     start = V + j2*16*128, LBO = KEYS*128 (slab 0 -> slab 1 along N), SBO = 1024 (keys 0..7 -> 8..15).
   const unsigned long long kv_desc0 = wg_desc_sw128(stages_a, 16, 1024);
   const unsigned long long v_desc0 = wg_desc_sw128(stages_a + L::tile_bytes, KEYS * 128, 1024);
   auto qk_step = [](int kk, int rows) { return (unsigned long long)(((kk >> 2) * rows * 128 + (kk & 3) * 32) >> 4); };

@@ -104,7 +104,7 @@ def test_launch_plan_and_shared_memory(rng):
 
 
 def test_pinned_specializations_and_compile_tasks():
-    pinned = [s for s in registry.all_specializations() if s.family == "prefill_wgmma"]
+    pinned = [s for s in registry.all_specializations() if s.family == "prefill_wgmma_ws"]
     assert len(pinned) == 2 and all(s.arch == "sm_90a" for s in pinned)
     assert "@sm_90a" in str(pinned[0])
     portable = jit.Specialization("decode", "k")
@@ -117,18 +117,17 @@ def test_pinned_specializations_and_compile_tasks():
 
 
 def test_pinned_cache_key_follows_options_and_source():
-    a = registry.prefill_wgmma_spec("float16")
-    b = jit.Specialization(a.family, a.name_expression, ("-DCUPA_WGMMA_PV_SPLIT_N=1",), arch=a.arch)
+    a = registry.prefill_wgmma_ws_spec("float16")
+    b = jit.Specialization(a.family, a.name_expression, ("-DCUPA_TEST_KEY=1",), arch=a.arch)
     assert jit.pinned_cache_key(a) == jit.pinned_cache_key(a) != jit.pinned_cache_key(b)
-    assert jit.pinned_cache_key(a) != jit.pinned_cache_key(registry.prefill_wgmma_spec("bfloat16"))
+    assert jit.pinned_cache_key(a) != jit.pinned_cache_key(registry.prefill_wgmma_ws_spec("bfloat16"))
 
 
-@pytest.mark.parametrize("spec_of, mangled", [(registry.prefill_wgmma_spec, "_Z19paged_prefill_wgmma"),
-                                               (registry.prefill_wgmma_ws_spec, "_Z22paged_prefill_wgmma_ws")])
+@pytest.mark.parametrize("spec_of, mangled", [(registry.prefill_wgmma_ws_spec, "_Z22paged_prefill_wgmma_ws")])
 def test_wgmma_kernels_compile_for_sm_90a_without_spills(spec_of, mangled):
-    """Both wgmma kernels: NVRTC never serializes the wgmma pipeline (C7520 / C7512 / C7514), keeps
-    setmaxnreg (no C7508 'ignored'; the warp-specialized kernel gives 64 registers to its copier and
-    scheduler warpgroups, 192 to its consumers) and spills nothing."""
+    """The wgmma kernel: NVRTC never serializes the wgmma pipeline (C7520 / C7512 / C7514), keeps
+    setmaxnreg (no C7508 'ignored'; 64 registers for the copier and scheduler warpgroups, 192 for the
+    consumers) and spills nothing."""
     try:
         jit.nvrtc_version()
     except Exception as exc:  # pragma: no cover - NVRTC missing
@@ -207,9 +206,8 @@ def ws_problem(rng, metadata, **kw):
 
 
 def test_ws_kernel_by_default_and_off_with_zero(rng, monkeypatch):
-    """The warp-specialized kernel serves the backend's calls, with or without a past;
-    CUPA_PREFILL_WGMMA_WS=0 selects paged_prefill_wgmma, "1" is the default, anything else is an error
-    naming the variable."""
+    """The warp-specialized kernel serves the backend's calls, with or without a past; "1" is the
+    default of CUPA_PREFILL_WGMMA_WS, anything else is an error naming the variable."""
     monkeypatch.delenv(prefill_wgmma.WS_ENV_VAR, raising=False)
     backend = prefill_wgmma.BACKEND
     for problem in (ws_problem(rng, [40, 80]), ws_problem(rng, [40, 50]), problem_of(rng)[0]):
@@ -218,10 +216,6 @@ def test_ws_kernel_by_default_and_off_with_zero(rng, monkeypatch):
         assert backend._shared_bytes(problem) == prefill_wgmma.ws_shared_bytes(problem)
         assert "warp-specialized" in backend.describe(problem)
     p = ws_problem(rng, [40, 50])
-    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "0")
-    assert not prefill_wgmma.ws_preferred(p) and backend._spec(p).family == "prefill_wgmma"
-    assert backend._shared_bytes(p) == prefill_wgmma.shared_bytes(p)
-    assert "warp-specialized" not in backend.describe(p)
     monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "1")
     assert prefill_wgmma.ws_preferred(p)
     monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "yes")
@@ -275,8 +269,6 @@ def test_tma_boxes_of_cache_rows(rng, monkeypatch, block_size, box):
     monkeypatch.delenv(prefill_wgmma.TMA_ENV_VAR)
     monkeypatch.setattr(tma, "available", lambda: False)
     assert prefill_wgmma.tma_plan(p) == (0, False)
-    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "0")  # paged_prefill_wgmma takes no tensor maps
-    assert prefill_wgmma.BACKEND._tail_args(p) == () and prefill_wgmma.BACKEND._maps(p, ()) is None
 
 
 def test_tensor_map_shapes():

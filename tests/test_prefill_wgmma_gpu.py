@@ -4,12 +4,9 @@ Every case runs with the switch at its default (CUPA_PREFILL_WGMMA unset; fresh 
 paged_attention() reuses cached ops, whose memo holds the backend choice, so the cache is cleared
 on both sides of each test), asserts that dispatch picks ``prefill_wgmma``, then checks every output
 element and cache byte (tests/gpu_cases.py). Skipped without a device, and on devices other than
-compute capability 9.0. First validated on an H200 in session 3 (37 passed).
-test_split_n_variant checks the ``-DCUPA_WGMMA_PV_SPLIT_N=1`` build (the P V product without the
-descriptor's leading byte offset) as well. Every case taking the ``wgmma_on`` fixture runs with each of
-the backend's two kernels forced (the warp-specialized persistent one, CUPA_PREFILL_WGMMA_WS=1, first
-validated in session 6, with its TMA K/V feed -- session 7 -- and with cp.async only, CUPA_PREFILL_TMA=0;
-paged_prefill_wgmma, =0); test_persistent_ctas_many_items caps the persistent CTAs so that each loops
+compute capability 9.0. Every case taking the ``wgmma_on`` fixture runs with the warp-specialized
+persistent kernel's K/V feed as chosen (TMA where it applies) and with cp.async only
+(CUPA_PREFILL_TMA=0); test_persistent_ctas_many_items caps the persistent CTAs so that each loops
 over many work items.
 """
 
@@ -18,8 +15,8 @@ import numpy as np
 import pytest
 
 import cupa
-from cupa import api, jit
-from cupa.kernels import prefill_wgmma, registry
+from cupa import api
+from cupa.kernels import prefill_wgmma
 from tests import gpu_cases as gc
 
 pytestmark = [
@@ -36,14 +33,13 @@ def cp():
     return cupy
 
 
-@pytest.fixture(params=["ws", "ws_cpasync", "plain"])
+@pytest.fixture(params=["ws", "ws_cpasync"])
 def wgmma_on(request, monkeypatch):
-    """The backend at its default, with each of its two kernels forced: the warp-specialized persistent
-    one (CUPA_PREFILL_WGMMA_WS=1) with its K/V feed as chosen (TMA where it applies) and with cp.async
-    only (CUPA_PREFILL_TMA=0), and paged_prefill_wgmma (CUPA_PREFILL_WGMMA_WS=0)."""
+    """The backend at its default, with the K/V feed of its warp-specialized persistent kernel as chosen
+    (TMA where it applies) and with cp.async only (CUPA_PREFILL_TMA=0)."""
     monkeypatch.delenv(prefill_wgmma.ENV_VAR, raising=False)  # the default
     monkeypatch.delenv(prefill_wgmma.WS_CTAS_ENV_VAR, raising=False)
-    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "0" if request.param == "plain" else "1")
+    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "1")
     if request.param == "ws_cpasync":
         monkeypatch.setenv(prefill_wgmma.TMA_ENV_VAR, "0")
     else:
@@ -214,16 +210,6 @@ def test_close_to_the_mma_sync_prefill(cp, rng, monkeypatch):
         outs[flag] = cp.asnumpy(out).astype(np.float32)
     api._bound_op.cache_clear()
     assert gc.rel_error(outs["1"], outs["0"]) < 1e-3
-
-
-def test_split_n_variant(cp, rng, wgmma_on, monkeypatch):
-    """The -DCUPA_WGMMA_PV_SPLIT_N=1 build (two m64n64 P V products per step, LBO unused) gives the same result."""
-    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "0")  # a build option of paged_prefill_wgmma
-    base = registry.prefill_wgmma_spec("float16")
-    split = jit.Specialization(base.family, base.name_expression, ("-DCUPA_WGMMA_PV_SPLIT_N=1",), arch=base.arch)
-    monkeypatch.setattr(registry, "prefill_wgmma_spec", lambda dtype, head_size=128: split)
-    inputs, attrs = gc.build(rng, q_lens=[70, 130], past=[0, 40], H=8, Hk=2, D=128)
-    check_wgmma(cp, inputs, attrs)
 
 
 @pytest.mark.parametrize("ctas", [1, 3, 7])

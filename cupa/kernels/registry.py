@@ -38,16 +38,9 @@ def prefill_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
         "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
 
 
-def prefill_wgmma_spec(dtype: str, head_size: int = 128) -> Specialization:
-    """The Hopper wgmma prefill (T caches only), pinned to sm_90a: compiled offline and loaded as a cubin."""
-    return Specialization(
-        "prefill_wgmma", f"paged_prefill_wgmma<{types.act(dtype)}, {types.cache('T', dtype)}, {head_size}>",
-        arch="sm_90a")
-
-
 def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:
-    """The warp-specialized persistent wgmma prefill (producer warpgroup + two consumer warpgroups, setmaxnreg),
-    pinned to sm_90a like :func:`prefill_wgmma_spec`."""
+    """The warp-specialized persistent wgmma prefill (producer warpgroup + two consumer warpgroups, setmaxnreg;
+    T caches only), pinned to sm_90a: compiled offline and loaded as a cubin."""
     return Specialization(
         "prefill_wgmma_ws", f"paged_prefill_wgmma_ws<{types.act(dtype)}, {types.cache('T', dtype)}, {head_size}>",
         arch="sm_90a")
@@ -76,7 +69,6 @@ def all_specializations() -> list:
             specs.extend(prefill_spec(dtype, kind, d) for d in PREFILL_HEAD_SIZES)
     from .prefill_wgmma import WGMMA_DTYPES, WGMMA_HEAD_SIZES
 
-    specs.extend(prefill_wgmma_spec(dtype, d) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES)
     specs.extend(prefill_wgmma_ws_spec(dtype, d) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES)
     return specs
 
