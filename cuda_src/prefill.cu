@@ -29,33 +29,47 @@
 #include "softmax.cuh"
 #include "prefill_tiles.cuh"  // tile numbering, zero pass, FastDiv, cp.async / ldmatrix wrappers
 
-// Tile shape per head size (mirrored in cupa/kernels/prefill.py): WARPS warps of M_TILES x 16
-// query rows, KEYS keys per shared-memory tile, STAGES cp.async stages, MIN_CTAS CTAs per SM
-// (shared memory and registers sized for it; dynamic shared memory within the 163 KB an sm_80 CTA
-// may use). Q_IN_REGS: Q fragments stay in registers for the whole key loop; otherwise they are
-// reloaded from shared memory at each step, leaving the registers to the fp32 accumulators.
-// D=128 uses 64-key tiles with 2 stages (2 CTAs/SM within 228 KB; 100 KB also fits an sm_86/89
-// CTA): per-tile costs (barrier, copy issue, row lookups, mask test) amortize over twice the MMAs.
-template <int D> struct PrefillConfig;
-template <> struct PrefillConfig<64> {
-  static constexpr int WARPS = 4, M_TILES = 2, KEYS = 64, STAGES = 3, MIN_CTAS = 2;
+// Tile shapes (a CTA's ROWS query rows x KEYS keys per shared-memory tile; template parameters,
+// mirrored in cupa/kernels/prefill.py): WARPS warps of M_TILES x 16 query rows, STAGES cp.async
+// stages, MIN_CTAS CTAs per SM (registers sized for it). Q_IN_REGS: Q fragments stay in registers
+// for the whole key loop; otherwise they are reloaded from shared memory at each step, leaving the
+// registers to the fp32 accumulators. Dynamic shared memory (PrefillSmem, 16-bit or 8-bit caches
+// alike) and the GPUs each shape serves:
+//   D=64   128 x 64, 3 stages:  83 KB (every GPU)
+//   D=128  128 x 64, 2 stages: 101 KB (sm_90/100 at 2 CTAs per SM; sm_80 at 1). Per-tile costs (barrier,
+//          copy issue, row lookups, mask test) amortize over twice the MMAs of a 32-key tile.
+//   D=128  128 x 32, 2 stages:  67 KB (the 99 KB a CTA may use on sm_86/89/120; 2 CTAs per SM on sm_80)
+//   D=256  128 x 32, 2 stages: 132 KB (sm_80/90/100)
+//   D=256   64 x 32, 2 stages:  99 KB (sm_86/89/120: 101,376 bytes with the static arrays)
+template <int D, int ROWS, int KEYS> struct PrefillConfig;
+template <> struct PrefillConfig<64, 128, 64> {
+  static constexpr int WARPS = 4, M_TILES = 2, STAGES = 3, MIN_CTAS = 2;
   static constexpr bool Q_IN_REGS = true;
 };
-template <> struct PrefillConfig<128> {
-  static constexpr int WARPS = 4, M_TILES = 2, KEYS = 64, STAGES = 2, MIN_CTAS = 2;
+template <> struct PrefillConfig<128, 128, 64> {
+  static constexpr int WARPS = 4, M_TILES = 2, STAGES = 2, MIN_CTAS = 2;
   static constexpr bool Q_IN_REGS = false;
 };
-template <> struct PrefillConfig<256> {
-  static constexpr int WARPS = 8, M_TILES = 1, KEYS = 32, STAGES = 2, MIN_CTAS = 1;
+template <> struct PrefillConfig<128, 128, 32> {
+  static constexpr int WARPS = 4, M_TILES = 2, STAGES = 2, MIN_CTAS = 2;
+  static constexpr bool Q_IN_REGS = false;
+};
+template <> struct PrefillConfig<256, 128, 32> {
+  static constexpr int WARPS = 8, M_TILES = 1, STAGES = 2, MIN_CTAS = 1;
+  static constexpr bool Q_IN_REGS = false;
+};
+template <> struct PrefillConfig<256, 64, 32> {
+  static constexpr int WARPS = 4, M_TILES = 1, STAGES = 2, MIN_CTAS = 1;
   static constexpr bool Q_IN_REGS = false;
 };
 
-template <typename T, typename Cache, int D>
+template <typename T, typename Cache, int D, int ROWS_, int KEYS_>
 struct PrefillSmem {
-  using Cfg = PrefillConfig<D>;
+  using Cfg = PrefillConfig<D, ROWS_, KEYS_>;
   using C = typename Cache::storage;
-  static constexpr int ROWS = 16 * Cfg::M_TILES * Cfg::WARPS;
-  static constexpr int KEYS = Cfg::KEYS;
+  static constexpr int ROWS = ROWS_;
+  static constexpr int KEYS = KEYS_;
+  static_assert(ROWS == 16 * Cfg::M_TILES * Cfg::WARPS, "the warps' m16 tiles cover the CTA's rows");
   static constexpr int NST = Cfg::STAGES;
   static constexpr int q_bytes = ROWS * D * 2;                                   // Q tile, then the output tile
   static constexpr int stage_bytes = 2 * KEYS * D * (int)sizeof(C);               // K and V tiles as stored
@@ -69,8 +83,9 @@ struct PrefillSmem {
   static_assert(total <= 163 * 1024, "an sm_80 CTA's dynamic shared memory");
 };
 
-template <typename T, typename Cache, int D>
-__global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>::MIN_CTAS) paged_prefill(
+template <typename T, typename Cache, int D, int TILE_ROWS, int TILE_KEYS>
+__global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS * 32,
+                                  PrefillConfig<D, TILE_ROWS, TILE_KEYS>::MIN_CTAS) paged_prefill(
     const T* __restrict__ q,  // (N, H, D): prologue output, or `query` itself
     const T* __restrict__ key, const T* __restrict__ value,  // new K/V rows to read (NewKeys), or null
     const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
@@ -80,8 +95,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     int token_count, int num_heads, int kv_num_heads, int batch_size, int num_blocks, int block_size,
     int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
     float softcap, int window, int is_causal, int k_quant, int v_quant) {
-  using Cfg = PrefillConfig<D>;
-  using L = PrefillSmem<T, Cache, D>;
+  using Cfg = PrefillConfig<D, TILE_ROWS, TILE_KEYS>;
+  using L = PrefillSmem<T, Cache, D, TILE_ROWS, TILE_KEYS>;
   using C = typename Cache::storage;
   constexpr int WARPS = Cfg::WARPS, THREADS = WARPS * 32, ROWS = L::ROWS, KEYS = L::KEYS, NST = L::NST;
   constexpr int MASK_WORDS = KEYS / 32;
@@ -213,16 +228,22 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   // 16-byte column of rows key0, key0 + KSTEP, ..., so its swizzled destination is one offset.
   constexpr int CHUNKS_PER_ROW = D * (int)sizeof(C) / 16, KSTEP = THREADS / CHUNKS_PER_ROW;
   static_assert(THREADS % CHUNKS_PER_ROW == 0 && KEYS % KSTEP == 0, "whole copy rounds");
-  static_assert(Cache::quantized || KSTEP % 8 == 0, "one swizzle phase per thread");
+  // The swizzle repeats every 8 rows: with KSTEP % 8 == 4 (D=256 on 4 warps) it alternates between
+  // two offsets, rows key0 + 8j (even rounds) and key0 + 4 + 8j (odd rounds).
+  constexpr bool TWO_PHASES = !Cache::quantized && KSTEP % 8 != 0;
+  static_assert(Cache::quantized || KSTEP % 4 == 0, "at most two swizzle phases per thread");
   const int copy_key0 = tid / CHUNKS_PER_ROW, copy_col = (tid % CHUNKS_PER_ROW) * 16;  // bytes
   const unsigned copy_dst = Cache::quantized ? (unsigned)(copy_key0 * D + copy_col)
                                              : (unsigned)(2 * swz<D>(copy_key0, copy_col / 2));
+  const unsigned copy_dst_odd =
+      TWO_PHASES ? (unsigned)(2 * swz<D>(copy_key0 + KSTEP, copy_col / 2) - KSTEP * D * (int)sizeof(C)) : copy_dst;
   const unsigned char* k_src =
       reinterpret_cast<const unsigned char*>(from_inputs ? (const void*)key : (const void*)key_cache) + copy_col;
   const unsigned char* v_src =
       reinterpret_cast<const unsigned char*>(from_inputs ? (const void*)value : (const void*)value_cache) + copy_col;
   auto load_tile = [&](int st, int rs) {
     const unsigned dK = stages_a + st * L::stage_bytes + copy_dst;
+    const unsigned dK_odd = stages_a + st * L::stage_bytes + copy_dst_odd;
     const long long* rows = sRows + rs * KEYS + copy_key0;
     const int* bytes = sBytes + rs * KEYS + copy_key0;
     long long off[KEYS / KSTEP];
@@ -234,8 +255,9 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     }
 #pragma unroll
     for (int i = 0; i < KEYS / KSTEP; ++i) {
-      cp_async_16_or_zero(dK + i * KSTEP * D * (int)sizeof(C), k_src + off[i], n[i]);
-      cp_async_16_or_zero(dK + KEYS * D * (int)sizeof(C) + i * KSTEP * D * (int)sizeof(C), v_src + off[i], n[i]);
+      const unsigned d = (TWO_PHASES && (i & 1)) ? dK_odd : dK;
+      cp_async_16_or_zero(d + i * KSTEP * D * (int)sizeof(C), k_src + off[i], n[i]);
+      cp_async_16_or_zero(d + KEYS * D * (int)sizeof(C) + i * KSTEP * D * (int)sizeof(C), v_src + off[i], n[i]);
     }
   };
 

@@ -33,9 +33,16 @@ def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, keys_as_m: bool
                       f"{stages}, {'true' if keys_as_m else 'false'}>")
 
 
-def prefill_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
+#: head_size -> the (rows, keys) tiles of paged_prefill (PrefillConfig in prefill.cu), the default first; the
+#: others are compact tiles for GPUs with less shared memory per CTA or SM (prefill.py chooses).
+PREFILL_TILES = {64: ((128, 64),), 128: ((128, 64), (128, 32)), 256: ((128, 32), (64, 32))}
+
+
+def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple = None) -> Specialization:
+    """``tile``: (query rows, keys) of a CTA's tile, one of :data:`PREFILL_TILES` (default: the first)."""
+    rows, keys = tile or PREFILL_TILES[head_size][0]
     return Specialization(
-        "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
+        "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, {rows}, {keys}>")
 
 
 def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:
@@ -66,7 +73,7 @@ def all_specializations() -> list:
     for dtype in PREFILL_DTYPES:
         specs.append(prologue_spec(dtype, "T", token_loop=True))
         for kind in types.CACHE_CXX:
-            specs.extend(prefill_spec(dtype, kind, d) for d in PREFILL_HEAD_SIZES)
+            specs.extend(prefill_spec(dtype, kind, d, tile) for d in PREFILL_HEAD_SIZES for tile in PREFILL_TILES[d])
     from .prefill_wgmma import WGMMA_DTYPES, WGMMA_HEAD_SIZES
 
     specs.extend(prefill_wgmma_ws_spec(dtype, d) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES)
