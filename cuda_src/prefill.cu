@@ -5,11 +5,15 @@
 // the WARPS warps owns 16*M_TILES rows (M_TILES mma.sync m16n8k16 tiles that share every K and V
 // fragment read from shared memory) and keeps their online-softmax state in registers; every warp
 // sees every key, so no merge across warps is needed.
-// Keys stream through shared memory in tiles of KEYS (cp.async, NST stages, rows gathered through
+// Keys stream through shared memory in tiles of KEYS (cp.async, STAGES stages, rows gathered through
 // the block table one by one, row offsets computed one tile ahead, masked rows zero-filled), over
 // the union of the rows' admitted ranges; per-row ranges (key_range of each row's own position:
 // causal, window, kv_len) and block validity are applied per element only on tiles that are not
-// wholly inside every row's range, and a warp skips tiles outside all of its rows' ranges.
+// wholly inside every row's range, and a warp skips tiles outside all of its rows' ranges. A key a
+// row does not admit never reaches its output (SPEC 4.4, non-finite values): masked scores are
+// selected to -inf, V values that meet P = 0 have Inf / NaN replaced by 0 (16-key steps outside the
+// warp's intersection of ranges; fp8 codes as they are widened), and rows without admitted keys
+// write zeros.
 // Quantized tiles land as codes and are widened to T in shared memory; the K scale is folded into
 // Q (PER_CHANNEL) or the score scale (PER_TENSOR), the V scale into the epilogue.
 //
@@ -21,7 +25,10 @@
 // floor(N*G/ROWS) + B covers them all; a CTA finds its sequence with a warp-wide search and exits
 // at once when its index is a gap. Tiles run heaviest-first (the last rows of a causal sequence
 // see the most keys). The zero-pass CTAs zero the rows of tokens no sequence owns.
-// Host values that size the launch: token_count, batch_size, head counts; none enters a mask.
+// Reads: Q (the prologue's workspace or `query`), the caches through the block table (or new K/V
+// from key / value: NewKeys), cum / past_seqlens / query_positions, head_sink, the scales. Writes:
+// `out`. Host values that size the launch: token_count, batch_size, head counts and the tile
+// (TILE_ROWS x TILE_KEYS); none enters a mask.
 #include "common.cuh"
 #include "mma.cuh"
 #include "paged.cuh"
@@ -100,6 +107,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   using C = typename Cache::storage;
   constexpr int WARPS = Cfg::WARPS, THREADS = WARPS * 32, ROWS = L::ROWS, KEYS = L::KEYS, NST = L::NST;
   constexpr int MASK_WORDS = KEYS / 32;
+  constexpr bool CLEAN_CODES = Cache::quantized && !Cache::always_finite;  // fp8: NaN codes
   static_assert(D % 64 == 0 && D <= 256, "head_size 64, 128 or 256");
   static_assert(KEYS % 32 == 0 && KEYS <= THREADS, "one thread per key row when finding rows");
   static_assert(ROWS <= THREADS && ROWS % 32 == 0, "one thread per query row when locating rows");
@@ -121,6 +129,8 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   __shared__ int sHead[ROWS];  // query head of each row (g*G + row % G)
   __shared__ int sLo[ROWS], sHi[ROWS];  // admitted key range of each row (empty: zero output)
   __shared__ int sRangeLo[WARPS], sRangeHi[WARPS];
+  __shared__ int sInterLo[WARPS], sInterHi[WARPS];  // per locating warp: the intersection of its live rows' ranges
+  __shared__ int2 sCtaInter;  // the intersection over the CTA's live rows (caches that may hold NaN codes)
   __shared__ int4 sWarpRange[WARPS];  // per warp: union lo, union hi, intersection lo, intersection hi
   T* sQ = reinterpret_cast<T*>(smem);
   unsigned char* stages = smem + L::q_bytes;
@@ -157,6 +167,14 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
       sRangeLo[warp] = rlo;
       sRangeHi[warp] = rhi;
     }
+    if constexpr (CLEAN_CODES) {
+      const int ilo = __reduce_max_sync(0xffffffffu, live ? lo : RANGE_NONE_HI);
+      const int ihi = __reduce_min_sync(0xffffffffu, live ? hi : RANGE_NONE_LO);
+      if (lane == 0) {
+        sInterLo[warp] = ilo;
+        sInterHi[warp] = ihi;
+      }
+    }
   }
   __syncthreads();
   int klo = RANGE_NONE_LO, khi = RANGE_NONE_HI;  // the union of the rows' ranges
@@ -164,6 +182,11 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   for (int w = 0; w < ROWS / 32; ++w) {
     klo = min(klo, sRangeLo[w]);
     khi = max(khi, sRangeHi[w]);
+  }
+  if (CLEAN_CODES && tid == 0) {  // (read inside the key loop, after its first barrier)
+    int2 inter = make_int2(RANGE_NONE_HI, RANGE_NONE_LO);
+    for (int w = 0; w < ROWS / 32; ++w) inter = make_int2(max(inter.x, sInterLo[w]), min(inter.y, sInterHi[w]));
+    sCtaInter = inter;
   }
   const int ntiles = khi > klo ? (khi - klo + KEYS - 1) / KEYS : 0;
   // Every admitted key is one of the sequence's new tokens: K/V tiles come from key / value (NewKeys).
@@ -357,10 +380,21 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
       // Every warp reads every key, so the whole CTA widens the tile, then waits for it.
       const C* rK = reinterpret_cast<const C*>(stages + stage * L::stage_bytes);
       const C* rV = rK + KEYS * D;
-      for (int c = tid; c < KEYS * D / 16; c += THREADS) {
-        const int key = c / (D / 16), col = (c % (D / 16)) * 16;
-        widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
-        widen16<T, Cache>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
+      // Codes that decode to NaN (fp8) in a tile with keys some live row does not admit are widened
+      // as 0, as 16-bit V fragments are cleaned below (the whole tile: every warp reads it).
+      const int kt0 = klo + kt * KEYS;
+      if (CLEAN_CODES && (kt0 < sCtaInter.x || kt0 + KEYS > sCtaInter.y)) {
+        for (int c = tid; c < KEYS * D / 16; c += THREADS) {
+          const int key = c / (D / 16), col = (c % (D / 16)) * 16;
+          widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
+          widen16<T, Cache, CLEAN_CODES>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
+        }
+      } else {
+        for (int c = tid; c < KEYS * D / 16; c += THREADS) {
+          const int key = c / (D / 16), col = (c % (D / 16)) * 16;
+          widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
+          widen16<T, Cache>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
+        }
       }
       __syncthreads();
       k_base = sKw_a + k_lane;
@@ -505,7 +539,19 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
       }
     }
 
-    // O += P V; each V fragment serves all MT tiles.
+    // O += P V; each V fragment serves all MT tiles. A key that some live row of the warp does not
+    // admit (outside the intersection of their ranges: causal future, left of a window, another
+    // row's position) has P = 0 there, and 0 times an Inf or NaN V element is NaN: the 16-key steps
+    // holding such keys read V with non-finite values replaced by 0 (for a row that admits the key
+    // the result is unspecified anyway). Masked keys were zero-filled; interior tiles need nothing
+    // (16-bit caches; fp8 codes are cleaned as they are widened, above. The intersection is read
+    // again: no register holds it across the products.)
+    bool clean_v[KEYS / 16];
+    if constexpr (!Cache::quantized) {
+      const int4 inter = sWarpRange[warp];
+#pragma unroll
+      for (int j2 = 0; j2 < KEYS / 16; ++j2) clean_v[j2] = !(kt0 + 16 * j2 >= inter.z && kt0 + 16 * j2 + 16 <= inter.w);
+    }
 #pragma unroll
     for (int j2 = 0; j2 < KEYS / 16; ++j2) {
       unsigned a[MT][4];
@@ -520,6 +566,10 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
       for (int nn = 0; nn < D / 16; ++nn) {
         unsigned bv[4];
         ldsm_x4_trans(bv, step_addr(v_base, nn) + j2 * 16 * ROW_BYTES);
+        if (!Cache::quantized && clean_v[j2]) {  // (uniform in the warp)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) bv[e] = finite_or_zero2<T>(bv[e]);
+        }
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           Mma<T>::run(o[m][2 * nn], a[m], bv[0], bv[1]);
@@ -548,13 +598,16 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
       const float sink = has_sink ? Act<T>::to_float(head_sink[sHead[row]]) : 0.0f;
       // finalize() of a unit O is the row's factor (sink and 1/L; 0 without admitted keys), so
       // each channel costs one multiply instead of a division.
+      // A row without admitted keys writes zeros, selected (its o may hold anything: interior tiles
+      // are not masked for it).
       const float factor = live ? finalize(row_max[i] * CUPA_LN2, row_sum[i], 1.0f, has_sink, sink, 1.0f) : 0.0f;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         const int d = n * 8 + (lane & 3) * 2;
         const float vs0 = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
         const float vs1 = v_quant ? quant_scale(v_scale, v_quant, g, D, d + 1) : 1.0f;
-        const float x0 = o[m][n][2 * hf] * factor * vs0, x1 = o[m][n][2 * hf + 1] * factor * vs1;
+        const float x0 = live ? o[m][n][2 * hf] * factor * vs0 : 0.0f;
+        const float x1 = live ? o[m][n][2 * hf + 1] * factor * vs1 : 0.0f;
         *reinterpret_cast<unsigned*>(sQ + swz<D>(row, d)) = Mma<T>::pack(x0, x1);
       }
     }
