@@ -39,8 +39,7 @@
 // fence.proxy.async after each wait, before wgmma reads the data (async proxy); a
 // consumer releases a stage after wgmma.wait_group, whose completion orders its reads before the
 // copier's next writes (wgmma.cuh). Every wgmma is issued unconditionally (see the consumer loop).
-// Measured on the H200 (docs/performance.md): with the TMA feed 339 us without a past (B=4 x 2048,
-// 406 TFLOP/s; 368 with cp.async only) and 1008 us on chunked prefill (B=8 x 512 over 8192, 562).
+// Its times on the H200 are in docs/performance.md.
 #include "common.cuh"
 #include "mma.cuh"
 #include "paged.cuh"
