@@ -10,7 +10,7 @@
 // the union of the rows' admitted ranges; per-row ranges (key_range of each row's own position:
 // causal, window, kv_len) and block validity are applied per element only on tiles that are not
 // wholly inside every row's range, and a warp skips tiles outside all of its rows' ranges. A key a
-// row does not admit never reaches its output (SPEC 4.4, non-finite values): masked scores are
+// row does not admit never reaches its output (contract §4.4, non-finite values): masked scores are
 // selected to -inf, V values that meet P = 0 have Inf / NaN replaced by 0 (16-key steps outside the
 // warp's intersection of ranges; fp8 codes as they are widened), and rows without admitted keys
 // write zeros.

@@ -1,6 +1,6 @@
 // Paged prefill on Hopper, warp-specialized and persistent (sm_90a only): fp16/bf16 T, T caches,
 // head_size 128. The contract, row tiles (ROWS = 128 (new token, query head) rows of one sequence
-// and one KV head, token-major), tile numbering over a ragged batch, zero pass and SPEC 4.4 rules of
+// and one KV head, token-major), tile numbering over a ragged batch, zero pass and contract §4.4 rules of
 // paged_prefill (prefill.cu, prefill_tiles.cuh), with both products on wgmma. Reads: Q (the
 // prologue's workspace or `query`), the caches through the block table (or new K/V from key /
 // value: NewKeys), cum / past_seqlens / query_positions, head_sink. Writes: `out`. Host values that

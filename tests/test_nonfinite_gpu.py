@@ -1,4 +1,4 @@
-"""A NaN or Inf in a key a token does not admit never reaches that token's output (SPEC 4.4).
+"""A NaN or Inf in a key a token does not admit never reaches that token's output (contract §4.4).
 
 Each case writes Inf or NaN into K or V rows (new K/V inputs, or cache rows of the past; fp8 cache
 codes 0x7F) that some tokens admit and others do not -- tokens of the same prefill tile or work item,
@@ -46,7 +46,7 @@ def positions_of(inputs):
 
 
 def untouched(inputs, attrs, poisoned) -> np.ndarray:
-    """(N,) bool: the token admits none of ``poisoned`` ({sequence: logical positions}), by SPEC 4.2
+    """(N,) bool: the token admits none of ``poisoned`` ({sequence: logical positions}), by contract §4.2
     (kv_len, causal, window; an invalid token admits nothing)."""
     cum, past = inputs["cumulative_sequence_length"], inputs["past_seqlens"]
     seq, pos = positions_of(inputs)
