@@ -67,17 +67,16 @@ def mma_shared_bytes(head_size: int, quantized: bool, stages: int) -> int:
     return max(loop, q_bytes + combine)
 
 
-def mma_stages(problem: Problem, device: DeviceInfo, options: Options) -> Optional[int]:
+def mma_stages(head_size: int, quantized: bool, device: DeviceInfo, ctas_target: int) -> Optional[int]:
     """The pipeline depth of paged_decode_mma on ``device``: the deepest of :data:`MMA_STAGES` that fits a
-    CTA and keeps the CTAs per SM the split plan aims for (``Options._tuning.decode_ctas_per_sm``), else the
-    one of them that fits the most CTAs per SM; None when none fits a CTA (the backend declines)."""
-    D, quantized = problem.head_size, problem.quantized
+    CTA and keeps ``ctas_target`` CTAs per SM (the split plan's aim, ``Options._tuning.decode_ctas_per_sm``),
+    else the one of them that fits the most CTAs per SM; None when none fits a CTA (the backend declines)."""
+    D = head_size
     fits = [s for s in MMA_STAGES if mma_shared_bytes(D, quantized, s) <= device.shared_per_block_optin]
     if not fits:
         return None
-    target = options._tuning.decode_ctas_per_sm
     for s in fits:
-        if ctas_per_sm(mma_shared_bytes(D, quantized, s), device) >= target:
+        if ctas_per_sm(mma_shared_bytes(D, quantized, s), device) >= ctas_target:
             return s
     return max(fits, key=lambda s: (ctas_per_sm(mma_shared_bytes(D, quantized, s), device), s))
 
@@ -103,7 +102,7 @@ class DecodeBackend(CudaBackend):
         reasons = []
         if problem.head_size > 256:
             reasons.append(f"head_size {problem.head_size} > 256")
-        elif uses_mma(problem) and mma_stages(problem, device, options) is None:
+        elif uses_mma(problem) and self._stages(problem, device, options) is None:
             need = mma_shared_bytes(problem.head_size, problem.quantized, MMA_STAGES[-1])
             reasons.append(shared_reason("paged_decode_mma", need, device))
         return reasons
@@ -119,9 +118,13 @@ class DecodeBackend(CudaBackend):
         if uses_keys_as_m(problem, options):
             engine += ", keys as M"
         if uses_mma(problem):
-            engine += f", a {mma_stages(problem, device, options)}-stage K/V pipeline"
+            engine += f", a {self._stages(problem, device, options)}-stage K/V pipeline"
         return (f"paged flash-decoding on {engine}: one CTA per (token, KV head, {heads}-head chunk, split); "
                 f"{splits} split(s) of {chunk} key positions; fused prologue first")
+
+    @staticmethod
+    def _stages(p: Problem, device: DeviceInfo, options: Options) -> Optional[int]:
+        return mma_stages(p.head_size, p.quantized, device, options._tuning.decode_ctas_per_sm)
 
     def specializations(self) -> list:
         specs = []
@@ -188,7 +191,7 @@ class DecodeBackend(CudaBackend):
             i32(types.QUANT_CODE[p.v_quant]), i32(passthrough))
         grid = (p.token_count, p.kv_num_heads * head_chunks, num_splits)
         if uses_mma(p):
-            stages = mma_stages(p, device, options)
+            stages = self._stages(p, device, options)
             spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size, stages,
                                             keys_as_m=uses_keys_as_m(p, options))
             kernel = jit.get_kernel(spec)
