@@ -37,11 +37,11 @@ constexpr int MMA_ROWS = 16;
 constexpr int KEY_TILE = 64;
 constexpr unsigned NO_ROW = 0xffffffffu;  // a masked key's row index
 
-// Pipeline depth STAGES (a template parameter; decode.py mirrors the shared-memory layout) and CTAs
-// per SM: 16-bit tiles (32 KB a stage at D=128) take 3 stages at 2 CTAs per SM where 227 KB of
-// shared memory per SM allow it, 2 stages (70 KB) where a CTA may use 99 KB (sm_86/89/120) or an SM
-// holds 164 KB (sm_80: 2 CTAs per SM); 8-bit tiles (16 KB) take 3 stages at 4 CTAs per SM
-// (registers capped at 128).
+// Pipeline depth STAGES, a template parameter: 3, or 2 where 3 do not fit a CTA or keep fewer than
+// 2 CTAs per SM (decode.py mma_stages, which mirrors MmaDecodeSmem). 16-bit tiles at D=128 are 32 KB
+// a stage: 3 stages (103 KB) run 2 CTAs per sm_90/100 SM; 2 stages (70 KB) fit the 99 KB of an
+// sm_86/89/120 CTA and run 2 CTAs per sm_80 SM. 8-bit tiles are 16 KB a stage; their registers are
+// capped at 128 for 4 CTAs per SM.
 template <typename Cache> struct MmaMinCtas { static constexpr int value = Cache::quantized ? 4 : 1; };
 
 // KEYS_AS_M (a template parameter, 8-bit caches only): the loop with keys as the MMA's M dimension.
