@@ -40,35 +40,24 @@
 // mirrored in cupa/kernels/prefill.py): WARPS warps of M_TILES x 16 query rows, STAGES cp.async
 // stages, MIN_CTAS CTAs per SM (registers sized for it). Q_IN_REGS: Q fragments stay in registers
 // for the whole key loop; otherwise they are reloaded from shared memory at each step, leaving the
-// registers to the fp32 accumulators. Dynamic shared memory (PrefillSmem, 16-bit or 8-bit caches
-// alike) and the GPUs each shape serves:
-//   D=64   128 x 64, 3 stages:  83 KB (every GPU)
-//   D=128  128 x 64, 2 stages: 101 KB (sm_90/100 at 2 CTAs per SM; sm_80 at 1). Per-tile costs (barrier,
-//          copy issue, row lookups, mask test) amortize over twice the MMAs of a 32-key tile.
-//   D=128  128 x 32, 2 stages:  67 KB (the 99 KB a CTA may use on sm_86/89/120; 2 CTAs per SM on sm_80)
-//   D=256  128 x 32, 2 stages: 132 KB (sm_80/90/100)
-//   D=256   64 x 32, 2 stages:  99 KB (sm_86/89/120: 101,376 bytes with the static arrays)
+// registers to the fp32 accumulators (PrefillShape<WARPS, M_TILES, STAGES, MIN_CTAS, Q_IN_REGS>).
+// Dynamic shared memory (PrefillSmem; static arrays add 1.6-3.3 KB) and the GPUs each shape serves:
+//   D=64   128 x 64, 3 stages:  68,768 B (every GPU)
+//   D=128  128 x 64, 2 stages: 100,760 B (sm_90/100 at 2 CTAs per SM). Per-tile costs (barrier, copy
+//          issue, row lookups, mask test) amortize over twice the MMAs of a 32-key tile.
+//   D=128  128 x 32, 2 stages:  66,828 B (a CTA of sm_86/89/120 may use 101,376 B; 2 CTAs per sm_80 SM)
+//   D=256  128 x 32, 2 stages: 132,364 B (sm_80/90/100)
+//   D=256   64 x 32, 2 stages:  99,596 B (sm_86/89/120: within 101,376 B with the static arrays)
+template <int WARPS_, int M_TILES_, int STAGES_, int MIN_CTAS_, bool Q_IN_REGS_> struct PrefillShape {
+  static constexpr int WARPS = WARPS_, M_TILES = M_TILES_, STAGES = STAGES_, MIN_CTAS = MIN_CTAS_;
+  static constexpr bool Q_IN_REGS = Q_IN_REGS_;
+};
 template <int D, int ROWS, int KEYS> struct PrefillConfig;
-template <> struct PrefillConfig<64, 128, 64> {
-  static constexpr int WARPS = 4, M_TILES = 2, STAGES = 3, MIN_CTAS = 2;
-  static constexpr bool Q_IN_REGS = true;
-};
-template <> struct PrefillConfig<128, 128, 64> {
-  static constexpr int WARPS = 4, M_TILES = 2, STAGES = 2, MIN_CTAS = 2;
-  static constexpr bool Q_IN_REGS = false;
-};
-template <> struct PrefillConfig<128, 128, 32> {
-  static constexpr int WARPS = 4, M_TILES = 2, STAGES = 2, MIN_CTAS = 2;
-  static constexpr bool Q_IN_REGS = false;
-};
-template <> struct PrefillConfig<256, 128, 32> {
-  static constexpr int WARPS = 8, M_TILES = 1, STAGES = 2, MIN_CTAS = 1;
-  static constexpr bool Q_IN_REGS = false;
-};
-template <> struct PrefillConfig<256, 64, 32> {
-  static constexpr int WARPS = 4, M_TILES = 1, STAGES = 2, MIN_CTAS = 1;
-  static constexpr bool Q_IN_REGS = false;
-};
+template <> struct PrefillConfig<64, 128, 64> : PrefillShape<4, 2, 3, 2, true> {};
+template <> struct PrefillConfig<128, 128, 64> : PrefillShape<4, 2, 2, 2, false> {};
+template <> struct PrefillConfig<128, 128, 32> : PrefillShape<4, 2, 2, 2, false> {};
+template <> struct PrefillConfig<256, 128, 32> : PrefillShape<8, 1, 2, 1, false> {};
+template <> struct PrefillConfig<256, 64, 32> : PrefillShape<4, 1, 2, 1, false> {};
 
 template <typename T, typename Cache, int D, int ROWS_, int KEYS_>
 struct PrefillSmem {
