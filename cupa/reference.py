@@ -352,8 +352,10 @@ class _Attention:
             yield _pad(group, longest)
 
     def run(self) -> None:
-        for grid, real in self.grids():
-            self.attend(grid, real)
+        # NaN or Inf in an admitted row gives its tokens an unspecified result, without warnings
+        with np.errstate(invalid="ignore", over="ignore"):
+            for grid, real in self.grids():
+                self.attend(grid, real)
 
     # -- one grid -------------------------------------------------------------------------------
     def gather(self, rows, slots, needed, scale, width):
