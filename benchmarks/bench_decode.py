@@ -1,6 +1,6 @@
 """Decode benchmark: one new token per sequence over a paged cache, the whole call timed.
 
-Shapes of SPEC section 7 (fp16, GQA 32/8, D=128, block 16) plus MHA 32/32 and GQA 64/8, int8 and
+Shapes of contract §7 (fp16, GQA 32/8, D=128, block 16) plus MHA 32/32 and GQA 64/8, int8 and
 fp8 PER_CHANNEL caches, and a call without attention_metadata. Block tables are sized for twice
 the longest sequence, as a server sizes them for its maximum length. L2 is cold before each run:
 flushed by a 2 GiB write and read (cold and clean, as input rotation leaves it; the headline), and
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cupa  # noqa: E402
 from common import Timer, environment, read_roofline, write_json  # noqa: E402
 
-# SPEC section 7: the peers measured on the same kind of machine (us).
+# contract §7: the peers measured on the same kind of machine (us).
 SPEC_PEERS = {
     "gqa32/8 B=64 L=4096": {"onnxruntime_cuda": 322, "flashinfer_0.6.7": 288, "target_us": 275},
     "gqa32/8 B=16 L=32768": {"onnxruntime_cuda": 575, "flashinfer_0.6.7": 547, "target_us": 530},

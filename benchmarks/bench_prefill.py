@@ -1,7 +1,7 @@
 """Prefill benchmark: many new tokens per sequence over a paged cache, the whole call timed.
 
 Cases (GQA 32/8 heads, D=128): fp16 causal prefill B=4 x 2048 new tokens at block 16 and block 256
-(SPEC section 7's rows), the same in bf16 and with an fp8 PER_CHANNEL cache, and a chunked prefill
+(contract §7's rows), the same in bf16 and with an fp8 PER_CHANNEL cache, and a chunked prefill
 (B=8, 8192 cached + 512 new tokens). The call includes the prologue (new K/V written into the
 cache). L2 is flushed before each run (a 2 GiB write and read: cold and clean, see common.py).
 Causal FLOPs = 4*H*D*sum_b(q_b*past_b + q_b*(q_b+1)/2).
@@ -36,7 +36,7 @@ import cupa  # noqa: E402
 from common import Timer, environment, read_roofline, write_json  # noqa: E402
 
 TARGET_TFLOPS = 250.0
-# SPEC section 7: the peers measured on the same kind of machine (TFLOP/s).
+# contract §7: the peers measured on the same kind of machine (TFLOP/s).
 SPEC_PEERS = {
     "fp16 B=4x2048 block 16": {"onnxruntime_cuda": 93, "flashinfer_0.6.7": 388},
     "fp16 B=4x2048 block 256": {"onnxruntime_cuda": 222, "flashinfer_0.6.7": 369},

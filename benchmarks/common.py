@@ -1,7 +1,7 @@
 """Timing helpers shared by the benchmarks: CUDA events, median of many runs, L2 cold.
 
 Every benchmark times the whole call as a user makes it, with the L2 cache (60 MB on the H200) cold,
-and reports a read roofline measured in the same run. SPEC section 7 allows two ways to make L2 cold:
+and reports a read roofline measured in the same run. contract §7 allows two ways to make L2 cold:
 rotate inputs larger than it, or flush it. The flush here writes, then reads a 2 GiB scratch buffer,
 so the call starts with no line of its inputs in L2 and no dirty line either: the state input
 rotation leaves.

@@ -43,13 +43,14 @@ def per_call_us(fn, calls: int, repeats: int = 7) -> float:
 def measure(mode: str, calls: int, real_arrays: bool) -> list:
     fake = FakeCupy(real_arrays=real_arrays)
     rows = []
-    with fake_cupy(fake, mode):
+    options = cupa.Options(launch=mode)
+    with fake_cupy(fake):
         fake.record = False
         for label, B, L in (("tiny B=1 L=16 (1 split)", 1, 16), ("B=8 L=4096 (splits, merged by the last split)", 8, 4096)):
             x, attrs = fake_case(fake, B=B, L=L, H=H, Hk=HK, D=D, bs=BS)
             args = tuple(x[n] for n in ("query", "key", "value", "key_cache", "value_cache",
                                         "cumulative_sequence_length", "past_seqlens", "block_table"))
-            op = cupa.PagedAttention(**attrs)
+            op = cupa.PagedAttention(**attrs, options=options)
             out = fake.empty(x["query"].shape, x["query"].dtype)
             md = np.array([1, L], dtype=np.int32)
             op(*args, attention_metadata=md, out=out)
@@ -69,7 +70,8 @@ def measure(mode: str, calls: int, real_arrays: bool) -> list:
             row["op(...) no out us"] = per_call_us(lambda: op(*args, attention_metadata=md), calls)
             row["op.plan us"] = per_call_us(lambda: op.plan(*args, attention_metadata=md), calls)
             row["paged_attention() us"] = per_call_us(
-                lambda: cupa.paged_attention(*args, attention_metadata=md, out=out, num_heads=H, kv_num_heads=HK),
+                lambda: cupa.paged_attention(*args, attention_metadata=md, out=out, num_heads=H, kv_num_heads=HK,
+                                             options=options),
                 calls)
             row["fake floor us"] = per_call_us(fake_floor, calls)
             rows.append(row)

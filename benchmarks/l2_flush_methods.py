@@ -1,4 +1,4 @@
-"""How the way L2 is made cold changes a timed decode call (SPEC section 7: rotate inputs larger than
+"""How the way L2 is made cold changes a timed decode call (contract §7: rotate inputs larger than
 L2, or flush it). Three ways, each timing the same calls:
 
 - ``memset``: a 2 GiB memset before each run (the benchmarks' flush in sessions 1-9). L2 ends up full

@@ -42,7 +42,7 @@ class PagedAttention:
     num_heads, kv_num_heads : int
         H and Hk; ``num_heads % kv_num_heads == 0``.
     **attributes
-        The other attributes of SPEC section 3 (``scale``, ``softcap``, ``local_window_size``,
+        The other attributes of contract §3 (``scale``, ``softcap``, ``local_window_size``,
         ``is_causal``, ``do_rotary``, ``rotary_interleaved``, ``rotary_offset``, ``qk_norm_epsilon``,
         ``k_quant_type``, ``v_quant_type``, ``k_cache_dtype``, ``v_cache_dtype``, ``kv_cache_layout``,
         ``v_head_size``, ``qk_output``) with ONNX Runtime's defaults, and the cupa extension
@@ -115,18 +115,20 @@ class PagedAttention:
             inputs[name] = value
 
     def _memo_entry(self, inputs: dict) -> list:
-        """``[problem, backend or None]`` for the bound inputs, validating them on a memo miss.
+        """``[problem, plan or None]`` for the bound inputs, validating them on a memo miss.
 
         validate() is a pure function of the attributes, the inputs' (shape, dtype) and the
-        metadata values, and the backend choice a pure function of the Problem and of each input's
-        library (NumPy or device, a function of its type): both are memoized per op on exactly
-        that key, read again on every call (the metadata values and each input's type, shape and
-        dtype). A repeated call costs one key build and one comparison with the last key (a dict
+        metadata values, and the backend choice a pure function of the Problem, the device the inputs
+        live on and the Options (bound to this op): both are memoized per op on exactly that key, read
+        again on every call (the metadata values, each input's type, shape and dtype, and the device of
+        ``query``). A repeated call costs one key build and one comparison with the last key (a dict
         lookup when it differs).
         """
         mdv = metadata_values(inputs["attention_metadata"])
         try:
-            key = (mdv, *[None if x is None else (type(x), x.shape, x.dtype) for x in _GET_TENSORS(inputs)])
+            query = inputs["query"]
+            key = (mdv, arrays.device_key(query),
+                   *[None if x is None else (type(x), x.shape, x.dtype) for x in _GET_TENSORS(inputs)])
             last = self._last
             if key == last[0]:
                 return last[1]
@@ -148,19 +150,22 @@ class PagedAttention:
         """Validate the bound inputs (shapes, dtypes, attributes, host metadata) into a Problem (memoized)."""
         return self._memo_entry(inputs)[0]
 
-    def plan(self, *args, **kwargs):
-        """Validate the inputs and pick a backend; returns ``(problem, backend, inputs)``.
+    def _plan_of(self, inputs: dict) -> dispatch.Plan:
+        entry = self._memo_entry(inputs)
+        plan = entry[1]
+        if plan is None:
+            # A mix of host and device inputs, or no backend for the problem, raises here (never memoized).
+            plan = entry[1] = dispatch.make_plan(entry[0], inputs, self.options)
+        return plan
+
+    def plan(self, *args, **kwargs) -> dispatch.Plan:
+        """Validate the inputs and pick a backend; returns the :class:`cupa.dispatch.Plan` (``problem``,
+        ``backend``, ``device``, ``options``) the op keeps for inputs of this signature.
 
         Every contract violation checkable from shapes, dtypes, attributes and the host values
         of attention_metadata raises :class:`PagedAttentionError` here, before any backend runs.
         """
-        inputs = self._bind(args, kwargs)
-        entry = self._memo_entry(inputs)
-        backend = entry[1]
-        if backend is None:
-            # A mix of host and device inputs, or no backend for the problem, raises here (never memoized).
-            backend = entry[1] = dispatch.select_backend(entry[0], inputs, self.options)
-        return entry[0], backend, inputs
+        return self._plan_of(self._bind(args, kwargs))
 
     def explain(self, *args, **kwargs) -> str:
         """Which backend these inputs would run on and, for every other backend, why not."""
@@ -170,16 +175,17 @@ class PagedAttention:
 
     # -- execution ----------------------------------------------------------------
     def __call__(self, *args, out=None, stream=None, **kwargs):
-        """Run the operator. Returns ``output`` or ``(output, output_qk)`` when qk_output != 0.
+        """Run the operator. Returns ``output``, or a tuple ``(output, output_qk?, lse?)`` when
+        ``qk_output != 0`` or ``return_lse``.
 
         The caches are updated in place. See :func:`paged_attention` for every input.
         """
         inputs = self._bind(args, kwargs)          # what plan() does, inlined: this path runs every step
         entry = self._memo_entry(inputs)
-        backend = entry[1]
-        if backend is None:
-            backend = entry[1] = dispatch.select_backend(entry[0], inputs, self.options)
-        return backend.run(entry[0], inputs, out, stream)
+        plan = entry[1]
+        if plan is None:
+            plan = entry[1] = dispatch.make_plan(entry[0], inputs, self.options)
+        return plan.backend.run(plan, inputs, out, stream)
 
 
 def paged_attention(query, key=None, value=None, key_cache=None, value_cache=None,

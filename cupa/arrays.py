@@ -7,7 +7,7 @@ NumPy arrays run the reference backend; CuPy arrays and CUDA arrays exposing ``_
 The CUDA backends see CuPy arrays only. One call goes::
 
     stream = arrays.resolve_stream(stream, query)          # the caller's current stream by default
-    dev, device = arrays.device_arrays(inputs, stream)     # zero-copy CuPy views, SPEC 5 checks
+    dev, device = arrays.device_arrays(inputs, stream)     # zero-copy CuPy views, contract §5 checks
     view = arrays.check_out(out, shape, dtype, query, device) if out is not None \\
         else arrays.empty_output(shape, dtype, query, device)
     ... launch on ``stream`` into ``view`` ...
@@ -39,8 +39,9 @@ from .contract import ArrayInfo
 from .errors import fail
 
 __all__ = [
-    "library_of", "dtype_name", "describe", "device_of", "to_cupy", "device_arrays", "resolve_stream",
-    "check_out", "empty_output", "wrap_output", "CACHE_NAMES",
+    "library_of", "placement", "device_key", "dtype_name", "describe", "device_of", "to_cupy", "device_arrays",
+    "fast_pointers", "resolve_stream", "check_out", "empty_output", "wrap_output", "numpy_dtype", "host_view",
+    "host_out", "wrap_host", "CACHE_NAMES",
 ]
 
 #: Inputs written in place: C-contiguous, mutable (not JAX).
@@ -72,6 +73,46 @@ def library_of(x) -> str:
             return "other"  # not cached: an unknown type is an error path anyway
     _LIB_BY_TYPE[t] = lib
     return lib
+
+
+def placement(x) -> str:
+    """Where an array lives: ``"host"`` (NumPy, and CPU arrays NumPy can view without a copy: PyTorch,
+    JAX, DLPack or ``__array__`` producers), ``"device"`` (CUDA memory), or ``"other"`` (not an array
+    of a supported kind, or memory of another kind)."""
+    lib = library_of(x)
+    if lib == "numpy":
+        return "host"
+    if lib == "cupy":
+        return "device"
+    if lib == "torch":
+        kind = x.device.type
+        return "host" if kind == "cpu" else "device" if kind == "cuda" else "other"
+    dl = getattr(x, "__dlpack_device__", None)
+    if dl is not None:
+        try:
+            kind = int(dl()[0])
+        except Exception:
+            return "other"
+        return "host" if kind == _DL_CPU else "device" if kind in (_DL_CUDA, _DL_CUDA_MANAGED) else "other"
+    if hasattr(x, "__array__") or hasattr(x, "__array_interface__"):
+        return "host"
+    return "other"
+
+
+def device_key(x):
+    """A cheap hashable naming where ``x`` lives (part of the plan memo key): -1 for a NumPy array,
+    the CUDA ordinal of a CuPy array, ``get_device()`` of a torch tensor (-1 on the CPU), else the
+    ``__dlpack_device__`` pair."""
+    t = type(x)
+    if t is np.ndarray:
+        return -1
+    lib = _LIB_BY_TYPE.get(t) or library_of(x)
+    if lib == "cupy":
+        return x.data.device_id
+    if lib == "torch":
+        return x.get_device() if x.is_cuda else x.device.type
+    dl = getattr(x, "__dlpack_device__", None)
+    return tuple(int(v) for v in dl()) if dl is not None else -1
 
 
 def dtype_name(x) -> str:
@@ -348,7 +389,7 @@ def resolve_stream(stream=None, query=None):
 
 def device_arrays(inputs: Mapping[str, Any], stream=None, *, skip=("attention_metadata",),
                   caches=CACHE_NAMES) -> tuple:
-    """Zero-copy CuPy views of every device input, checked against SPEC section 5.
+    """Zero-copy CuPy views of every device input, checked against contract §5.
 
     Parameters
     ----------
@@ -449,10 +490,11 @@ def empty_output(shape: tuple, dtype: str, query, device_id: int):
             tdev = _TORCH_DEVICES[device_id] = torch.device("cuda", device_id)
         return _torch_view(torch.empty(shape, dtype=tdt, device=tdev), device_id)
     with cp.cuda.Device(device_id):
-        return cp.empty(shape, dtype=_numpy_dtype(dtype))
+        return cp.empty(shape, dtype=numpy_dtype(dtype))
 
 
-def _numpy_dtype(name: str):
+def numpy_dtype(name: str):
+    """The NumPy dtype of a canonical dtype name (``"bfloat16"`` -> ml_dtypes.bfloat16)."""
     if name == "bfloat16":
         import ml_dtypes
 
@@ -523,3 +565,200 @@ def wrap_output(arr, like, stream=None):
         with stream:
             return _jax_from_dlpack()(arr)
     return arr
+
+
+# -- the per-call fast paths of the CUDA backends ---------------------------------------------------
+
+_TENSOR_NAMES = None
+_get_tensors = None
+#: ``cupy.ndarray`` once seen to expose ``_c_contiguous`` (an identity test per call), else None.
+_CUPY_NDARRAY = None
+#: ``torch.Tensor`` once seen (an identity test per call), else None.
+_TORCH_TENSOR = None
+
+
+def reset_fast_types() -> None:
+    """Forget the array types the fast paths recognized (tests swap in a fake CuPy)."""
+    global _CUPY_NDARRAY, _TORCH_TENSOR
+    _CUPY_NDARRAY = _TORCH_TENSOR = None
+
+
+def _tensor_getter():
+    global _TENSOR_NAMES, _get_tensors
+    if _get_tensors is None:
+        import operator
+
+        from .contract import INPUT_NAMES
+
+        _TENSOR_NAMES = tuple(n for n in INPUT_NAMES if n != "attention_metadata")
+        _get_tensors = operator.itemgetter(*_TENSOR_NAMES)
+    return _get_tensors
+
+
+def fast_pointers(inputs: Mapping[str, Any], torch_ok: bool) -> Optional[tuple]:
+    """``(library, device_id, ptrs)`` for the two cases a call takes without :func:`device_arrays`:
+
+    - ``"cupy"``: every present input a C-contiguous ``cupy.ndarray`` (exactly that type) on one device;
+    - ``"torch"`` (only when ``torch_ok``: the call runs on PyTorch's current stream): every present input
+      a contiguous CUDA ``torch.Tensor`` (exactly that type) on one device.
+
+    ``ptrs`` are the device pointers of the tensor inputs in ``INPUT_NAMES`` order (attention_metadata left
+    out; 0 for an absent one). Anything else -- another library, a subclass, a second device, a
+    non-contiguous array, no input at all -- returns None: the general path, which raises the errors.
+    """
+    global _CUPY_NDARRAY, _TORCH_TENSOR
+    get = _get_tensors or _tensor_getter()
+    qtype = type(inputs["query"])
+    if qtype is _CUPY_NDARRAY or (_CUPY_NDARRAY is None and qtype.__name__ == "ndarray"
+                                  and qtype.__module__.split(".")[0] == "cupy" and hasattr(qtype, "_c_contiguous")):
+        _CUPY_NDARRAY = qtype
+        ptrs, device = [], -1
+        append = ptrs.append
+        for x in get(inputs):
+            if x is None:
+                append(0)
+                continue
+            if type(x) is not qtype or not x._c_contiguous:  # flags.c_contiguous without a Flags object
+                return None
+            mem = x.data
+            if mem.device_id != device:
+                if device != -1:
+                    return None
+                device = mem.device_id
+            append(mem.ptr)
+        return None if device == -1 else ("cupy", device, ptrs)
+    if torch_ok and (qtype is _TORCH_TENSOR or (qtype.__name__ == "Tensor" and qtype.__module__ == "torch")):
+        _TORCH_TENSOR = qtype
+        ptrs, device = [], -1
+        append = ptrs.append
+        for x in get(inputs):
+            if x is None:
+                append(0)
+                continue
+            if type(x) is not qtype or not x.is_cuda or not x.is_contiguous():
+                return None
+            d = x.get_device()
+            if d != device:
+                if device != -1:
+                    return None
+                device = d
+            append(x.data_ptr())
+        return None if device == -1 else ("torch", device, ptrs)
+    return None
+
+
+# -- host arrays of any library (the reference backend) ----------------------------------------------
+
+def host_view(x, name: str, cache: bool = False) -> np.ndarray:
+    """A zero-copy NumPy view of a CPU array of any supported library (None stays None).
+
+    PyTorch CPU tensors (bfloat16 and float8 through same-size integer views), JAX CPU arrays, DLPack
+    and ``__array__`` producers. ``cache``: the array is written in place, so it must be writeable
+    (a JAX array is immutable: PagedAttentionError) and C-contiguous (checked by the reference).
+    """
+    if x is None:
+        return None
+    if type(x) is np.ndarray:
+        return x
+    lib = library_of(x)
+    where = placement(x)
+    if where == "device":
+        raise fail(name, _what(x) + " in CUDA device memory",
+                   "a CPU array like the other inputs: mixing CPU and GPU inputs is not allowed")
+    if where != "host":
+        raise fail(name, f"a {type(x).__module__}.{type(x).__qualname__}" + (
+            f" on device '{x.device}'" if lib == "torch" else ""), "a CPU array NumPy can view, or a CUDA array")
+    if lib == "torch":
+        torch = _torch()
+        t = x.detach()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        if t.dtype.is_floating_point and t.dtype.itemsize == 1:
+            import ml_dtypes
+
+            fp8 = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn}.get(t.dtype)
+            if fp8 is None:
+                raise fail(name, f"a torch tensor of dtype {t.dtype}", "float8_e4m3fn among the 8-bit floats")
+            return t.view(torch.uint8).numpy().view(fp8)
+        try:
+            return t.numpy()
+        except (TypeError, RuntimeError) as exc:
+            raise fail(name, f"a torch tensor of dtype {t.dtype} NumPy cannot view ({exc})",
+                       "a dtype NumPy can view zero-copy") from exc
+    if lib == "jax" and cache:
+        raise fail(name, "a JAX array", "a mutable array (NumPy or PyTorch): the cache is updated in place and "
+                   "JAX arrays are immutable")
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, BufferError, RuntimeError, ValueError):
+            pass  # a producer NumPy's DLPack import refuses: its __array__ below
+    view = np.asarray(x)
+    if cache and not view.flags.writeable:
+        raise fail(name, f"{_what(x)} NumPy sees read-only", "a writeable array: the cache is updated in place")
+    return view
+
+
+def host_out(out, like, shape: tuple, dtype: np.dtype) -> Optional[np.ndarray]:
+    """The NumPy view of a preallocated CPU ``out`` in the library of ``like`` (None stays None),
+    checked for library, shape, dtype, contiguity and writeability (PagedAttentionError naming ``out``)."""
+    if out is None:
+        return None
+    lib, qlib = library_of(out), library_of(like)
+    if lib != qlib:
+        raise fail("out", _what(out), f"a {qlib} array like query (the output is returned in query's library)")
+    if lib == "jax":
+        raise fail("out", "a JAX array", "no out= with JAX inputs (JAX arrays are immutable)")
+    view = host_view(out, "out")
+    if tuple(view.shape) != tuple(shape):
+        raise fail("out", f"shape {tuple(view.shape)}", f"shape {tuple(shape)} (token_count, num_heads*v_head_size)")
+    if view.dtype != dtype:
+        raise fail("out", f"dtype {dtype_name(out)}", f"dtype {np.dtype(dtype).name} (the query's type)")
+    if not view.flags.c_contiguous:
+        raise fail("out", "a non-contiguous array", "a C-contiguous array")
+    if not view.flags.writeable:
+        raise fail("out", "a read-only array", "a writeable array")
+    return view
+
+
+def wrap_host(arr: np.ndarray, like, given=None):
+    """``arr`` (a NumPy result) in the library of ``like``: ``given`` itself when it is the ``out`` the
+    result was written into, a torch CPU tensor sharing ``arr``'s memory, a JAX array, or ``arr``."""
+    if given is not None:
+        return given
+    lib = library_of(like)
+    if lib == "torch":
+        torch = _torch()
+        if arr.dtype.name == "bfloat16":
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+    if lib == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(arr)
+    return arr
+
+
+# -- buffers that must not overlap ----------------------------------------------------------------------
+
+def check_disjoint(input_nbytes: dict, pointer_of, out_ptr: int = 0, out_nbytes: int = 0, layout_separate=True):
+    """Raise PagedAttentionError when value_cache overlaps key_cache (SEPARATE layout: V would overwrite K),
+    or when ``out`` (``out_ptr``/``out_nbytes``, 0 when not given) overlaps any input.
+
+    ``input_nbytes``: :attr:`cupa.contract.Problem.input_nbytes`; ``pointer_of(name)``: the start address of
+    an input (a device pointer, or a host address for NumPy views).
+    """
+    if layout_separate:
+        n = input_nbytes["key_cache"]
+        k, v = pointer_of("key_cache"), pointer_of("value_cache")
+        if n and k < v + n and v < k + n:
+            raise fail("value_cache", "memory overlapping key_cache" + (" (the same buffer)" if k == v else ""),
+                       "a cache of its own: K and V rows are written to separate caches")
+    if out_nbytes:
+        for name, n in input_nbytes.items():
+            p = pointer_of(name)
+            if n and p < out_ptr + out_nbytes and out_ptr < p + n:
+                raise fail("out", f"memory overlapping {name}", "an output buffer of its own (out= never aliases "
+                           "an input)")

@@ -1,108 +1,188 @@
-"""Backend choice from shapes, dtypes and attributes only (never device data), and explain().
+"""Backend choice: a function of the Problem, the device the inputs live on and the Options; explain().
 
-A backend is an object with ``name``, ``not_supported_reasons(problem) -> list[str]`` and
-``run(problem, inputs, out=None, stream=None)``. NumPy inputs go to the reference backend;
-device inputs go to the first CUDA backend in priority order that supports the problem.
-There is no silent fallback from the GPU to the CPU.
+A backend is an object with ``name``, ``verified`` (its kernels passed their GPU tests on a device),
+``not_supported_reasons(problem, device, options) -> list[str]``, ``preferred(problem, device,
+options) -> bool``, ``describe(problem, device, options) -> str`` and ``run(plan, inputs, out,
+stream)``. Host inputs (NumPy, and CPU arrays of any library NumPy can view without a copy) go to
+the reference backend; device inputs go to the first CUDA backend of :data:`CUDA_BACKENDS` that
+serves the call, has been verified on a GPU and prefers the call (else the first that serves it).
+``Options(backend=name)`` names one instead, verified or not. Device data is never read, and device
+inputs never fall back to the CPU.
+
+The plan memo of :class:`cupa.PagedAttention` keeps one :class:`Plan` per input signature (shapes,
+dtypes, array types, the device of ``query``, attention_metadata's host values).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from . import arrays
 from .contract import Problem
+from .device import DeviceInfo, device_info
 from .errors import PagedAttentionError, fail
+from .options import Options
 
 log = logging.getLogger("cupa")
 
+__all__ = ["Plan", "CUDA_BACKENDS", "cuda_backends", "call_device", "choose", "account", "make_plan", "explain"]
 
-def input_libraries(inputs: dict) -> dict:
-    return {name: arrays.library_of(x) for name, x in inputs.items()
-            if x is not None and name != "attention_metadata"}
+#: CUDA backends in priority order, each the ``BACKEND`` of module ``cupa.kernels.<name>``.
+CUDA_BACKENDS = ("prefill_wgmma", "prefill", "decode")
 
 
-def is_host_call(inputs: dict) -> bool:
-    """True for an all-NumPy call; raises for a mix of host and device arrays."""
-    libs = input_libraries(inputs)
-    host = sorted(n for n, lib in libs.items() if lib == "numpy")
-    other = sorted(n for n, lib in libs.items() if lib == "other")
-    if other:
-        raise fail(other[0], f"a {type(inputs[other[0]]).__name__}",
-                   "a NumPy array, a CuPy array or a CUDA array exposing __dlpack__ (PyTorch, JAX)")
-    if host and len(host) != len(libs):
-        dev = sorted(set(libs) - set(host))
-        raise fail(host[0], "a NumPy (host) array", f"a device array like {dev[0]}: mixing CPU and GPU inputs is not allowed")
-    return bool(host)
+@dataclass(eq=False)
+class Plan:
+    """What the plan memo keeps for one input signature.
+
+    Attributes
+    ----------
+    problem : Problem
+        Sizes and features of the call.
+    backend
+        The backend that runs it.
+    device : DeviceInfo or None
+        The device the inputs live on (None for a host call).
+    options : Options
+    state : dict
+        The backend's launch state for this plan (kernels, launch sequences, workspace layout),
+        built on its first run.
+    """
+
+    problem: Problem
+    backend: Any
+    device: Optional[DeviceInfo]
+    options: Options
+    state: dict = field(default_factory=dict)
+
+    def run(self, inputs: dict, out=None, stream=None):
+        return self.backend.run(self, inputs, out, stream)
 
 
 def cuda_backends() -> list:
-    """CUDA backends in priority order (first supported wins)."""
-    from .kernels import registry
-
-    return registry.backends()
+    """The CUDA backend objects in priority order."""
+    return [importlib.import_module(f"cupa.kernels.{name}").BACKEND for name in CUDA_BACKENDS]
 
 
-def _prefers(backend, problem: Problem) -> bool:
-    pref = getattr(backend, "preferred", None)
-    return pref is None or pref(problem)
+def call_device(inputs: dict) -> Optional[int]:
+    """None for a host call (every input on the CPU), else the CUDA device ordinal of ``query``.
+
+    A mix of host and device inputs raises PagedAttentionError naming the first input on the other
+    side; so does an object that is not an array of a supported library.
+    """
+    host, device = [], []
+    for name, x in inputs.items():
+        if x is None or name == "attention_metadata":
+            continue
+        where = arrays.placement(x)
+        if where == "other":
+            where_is = f" on device '{x.device}'" if arrays.library_of(x) == "torch" else ""
+            raise fail(name, f"a {type(x).__module__}.{type(x).__qualname__}{where_is}",
+                       "an array: NumPy, CuPy, or a CPU or CUDA array of PyTorch, JAX or another DLPack library")
+        (host if where == "host" else device).append(name)
+    if host and device:
+        first = inputs["query"] if "query" in inputs else None
+        if arrays.placement(first) == "host":
+            raise fail(device[0], "an array in CUDA device memory",
+                       f"a CPU array like {host[0]}: mixing CPU and GPU inputs is not allowed")
+        raise fail(host[0], "a CPU (host) array",
+                   f"a device array like {device[0]}: mixing CPU and GPU inputs is not allowed")
+    if not device:
+        return None
+    return arrays.device_of(inputs[device[0]], device[0])
 
 
-def select_backend(problem: Problem, inputs: dict, options=None):
-    from .options import resolve
+def _eligible(backend, problem: Problem, device: DeviceInfo, options: Options) -> list:
+    return backend.not_supported_reasons(problem, device, options)
 
-    options = resolve(options)
-    if is_host_call(inputs):
-        from .reference import BACKEND
 
-        if options.backend not in ("auto", "reference"):
-            raise fail("options.backend", repr(options.backend),
-                       "'auto' or 'reference' for host (NumPy) inputs: CUDA backends take device arrays")
-        return BACKEND
-    if options.backend == "reference":
-        raise fail("options.backend", "'reference'", "a CUDA backend or 'auto' for device inputs: cupa never "
-                   "falls back to the CPU")
+def choose(problem: Problem, device: DeviceInfo, options: Options):
+    """The CUDA backend for ``problem`` on ``device`` (a pure function of the three)."""
     backends = cuda_backends()
+    if options.backend == "reference":
+        raise fail("options.backend", "'reference'", "'auto' or a CUDA backend for device inputs: cupa never "
+                   "falls back to the CPU")
     if options.backend != "auto":
         named = [b for b in backends if b.name == options.backend]
         if not named:
-            raise fail("options.backend", repr(options.backend), "a backend available here: "
-                       + ", ".join(repr(b.name) for b in backends))
-        reasons = named[0].not_supported_reasons(problem)
+            raise fail("options.backend", repr(options.backend),
+                       "a CUDA backend available here: " + ", ".join(repr(b.name) for b in backends))
+        reasons = _eligible(named[0], problem, device, options)
         if reasons:
             raise PagedAttentionError(f"options.backend: {options.backend!r} cannot serve this call: "
                                       + "; ".join(reasons))
         return named[0]
-    supported = [b for b in backends if not b.not_supported_reasons(problem)]
-    for b in supported:
-        if _prefers(b, problem):
-            log.info("cupa: %s backend for N=%d B=%d", b.name, problem.token_count, problem.batch_size)
+    served = [b for b in backends if b.verified and not _eligible(b, problem, device, options)]
+    for b in served:
+        if b.preferred(problem, device, options):
             return b
-    if supported:
-        return supported[0]
-    reasons = "; ".join(f"{b.name}: {', '.join(b.not_supported_reasons(problem))}" for b in backends)
-    raise PagedAttentionError(f"no CUDA backend serves this call ({reasons}); "
+    if served:
+        return served[0]
+    reasons = "; ".join(f"{b.name}: {', '.join(_reasons_for_auto(b, problem, device, options))}" for b in backends)
+    raise PagedAttentionError(f"no CUDA backend serves this call on {device} ({reasons}); "
                               "cupa never falls back to the CPU for device inputs")
 
 
-def explain(problem: Problem, inputs: dict, options=None) -> str:
-    """A human-readable account of the backend choice."""
-    from .options import resolve
+def _reasons_for_auto(backend, problem, device, options) -> list:
+    reasons = _eligible(backend, problem, device, options)
+    if not reasons and not backend.verified:
+        reasons = [f"not yet verified on a GPU (select it with cupa.Options(backend={backend.name!r}))"]
+    return reasons
 
-    options = resolve(options)
-    lines = [f"options: {options!r}"]
-    if is_host_call(inputs):
-        lines.append("reference: chosen (NumPy inputs run the float64 NumPy reference on the CPU)")
-        lines.append("CUDA backends: not considered (inputs are host arrays)")
-        return "\n".join(lines)
-    chosen = select_backend(problem, inputs, options)
+
+def account(problem: Problem, device: DeviceInfo, options: Options) -> str:
+    """explain()'s text for device inputs: the chosen backend and, for every other, why not."""
+    lines = [f"device: {device}", f"options: {options!r}"]
+    try:
+        chosen = choose(problem, device, options)
+    except PagedAttentionError as exc:
+        chosen = None
+        lines.append(f"no backend: {exc}")
     for b in cuda_backends():
-        reasons = b.not_supported_reasons(problem)
+        reasons = _reasons_for_auto(b, problem, device, options) if options.backend == "auto" else \
+            _eligible(b, problem, device, options)
         if b is chosen:
-            lines.append(f"{b.name}: chosen ({b.describe(problem)})")
+            lines.append(f"{b.name}: chosen ({b.describe(problem, device, options)})")
+        elif options.backend != "auto" and b.name != options.backend:
+            lines.append(f"{b.name}: not considered (options.backend={options.backend!r})")
         elif reasons:
             lines.append(f"{b.name}: not eligible: {'; '.join(reasons)}")
         else:
-            lines.append(f"{b.name}: eligible but not preferred ({b.describe(problem)})")
+            lines.append(f"{b.name}: eligible but not preferred ({b.describe(problem, device, options)})")
     lines.append("reference: not considered (device inputs never fall back to the CPU)")
     return "\n".join(lines)
+
+
+def _host_backend(options: Options):
+    from .reference import BACKEND
+
+    if options.backend not in ("auto", "reference"):
+        raise fail("options.backend", repr(options.backend),
+                   "'auto' or 'reference' for host (CPU) inputs: CUDA backends take device arrays")
+    return BACKEND
+
+
+def make_plan(problem: Problem, inputs: dict, options: Options) -> Plan:
+    """The Plan of one call: the backend for these inputs (reference for host inputs)."""
+    ordinal = call_device(inputs)
+    if ordinal is None:
+        return Plan(problem, _host_backend(options), None, options)
+    device = device_info(ordinal)
+    backend = choose(problem, device, options)
+    log.info("cupa: %s backend for N=%d B=%d on device %d", backend.name, problem.token_count, problem.batch_size,
+             ordinal)
+    return Plan(problem, backend, device, options)
+
+
+def explain(problem: Problem, inputs: dict, options: Options) -> str:
+    """A human-readable account of the backend choice for these inputs."""
+    ordinal = call_device(inputs)
+    if ordinal is None:
+        _host_backend(options)
+        return "\n".join([f"options: {options!r}",
+                          "reference: chosen (CPU inputs run the float64 NumPy reference)",
+                          "CUDA backends: not considered (inputs are host arrays)"])
+    return account(problem, device_info(ordinal), options)

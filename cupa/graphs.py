@@ -8,7 +8,7 @@ one ``cudaGraphLaunch``, reading whatever the input buffers hold at replay time.
 What a graph freezes (see docs/graphs.md): every device pointer (inputs must be updated *in place*;
 outputs allocated inside the capture are the same buffers at every replay), every shape, and every
 host value read at capture -- in particular ``attention_metadata``, which must therefore be a
-replay-wide bound (SPEC 4.5), e.g. ``[1, max_model_len]``, never the current step's lengths.
+replay-wide bound (contract §4.5), e.g. ``[1, max_model_len]``, never the current step's lengths.
 
 Memory: everything allocated while the capture runs comes from a private ``cupy.cuda.MemoryPool``
 owned by the returned object (and, when PyTorch is in use, a private ``torch.cuda.MemPool``), so no
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 import warnings
 from typing import Any, Callable, Optional
 
@@ -40,64 +39,8 @@ __all__ = [
 ]
 
 
-class GraphCaptureError(RuntimeError):
-    """A CUDA-graph capture could not produce a correct graph; the message names the cause and the fix.
-
-    The capture has been ended and discarded and the stream is usable again. Errors of ``step()``
-    that have nothing to do with the capture (a ``PagedAttentionError``, a ``TypeError``...) are
-    re-raised as they are, after the capture has been discarded the same way.
-    """
-
-
-# -- the capture-in-progress hook ---------------------------------------------------------------------
-
-_local = threading.local()   # .scope: the CaptureScope active on this thread, or absent/None
-_active = 0                  # scopes active over all threads: keeps keep_alive() to one global read
-_active_lock = threading.Lock()
-
-
-def capture_active() -> bool:
-    """True while a :func:`capture_graph` capture (or a :func:`capture_scope`) is active on this thread."""
-    return getattr(_local, "scope", None) is not None
-
-
-def keep_alive(*arrays) -> None:
-    """Keep ``arrays`` alive for the life of the graph being captured on this thread; no-op otherwise.
-
-    cupa's CUDA backends call it for every buffer they allocate (outputs, workspaces), because a
-    graph bakes in their addresses: freed and reused, they would be overwritten by each replay.
-    """
-    if _active:
-        scope = getattr(_local, "scope", None)
-        if scope is not None:
-            scope.keep(arrays)
-
-
-def _compile_message(what) -> str:
-    return (f"cupa: kernel {what} is not compiled yet and a CUDA graph capture is in progress on this "
-            "thread; compiling (and loading a module) inside a capture is not supported. Run the step "
-            "once eagerly before capturing -- cupa.capture_graph(step, warmup=1), the default, does it "
-            "-- so that every kernel the step needs is compiled first")
-
-
-def check_compile_allowed(what) -> None:
-    """Raise :class:`GraphCaptureError` if a kernel compile would happen inside a capture on this thread.
-
-    Called by ``cupa.jit.get_kernel`` on a memo miss only (compiled kernels cost nothing here). It
-    sees captures made by :func:`capture_graph` / :func:`capture_scope` and raw captures on CuPy's
-    current stream (``stream.begin_capture()``).
-    """
-    if getattr(_local, "scope", None) is not None:
-        raise GraphCaptureError(_compile_message(what))
-    cp = sys.modules.get("cupy")
-    if cp is None:
-        return
-    try:
-        capturing = cp.cuda.get_current_stream().is_capturing()
-    except Exception:  # an invalidated capture or an illegal query: let the compile report it
-        capturing = False
-    if capturing:
-        raise GraphCaptureError(_compile_message(what))
+from ._capture import (GraphCaptureError, activate_scope, active_scope, capture_active, check_compile_allowed,
+                       deactivate_scope, keep_alive)
 
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -217,8 +160,7 @@ class CaptureScope:
         self.kept.extend(o for o in objs if o is not None)
 
     def __enter__(self) -> "CaptureScope":
-        global _active
-        if getattr(_local, "scope", None) is not None:
+        if active_scope() is not None:
             raise GraphCaptureError("a capture is already active on this thread (capture_graph or capture_scope "
                                     "called from inside step() of another capture): nested captures are not "
                                     "supported")
@@ -243,21 +185,13 @@ class CaptureScope:
                                   "while the graph still uses them. Keep step()'s torch work allocation-free "
                                   "(in-place ops, out=) or capture with torch.cuda.graph and capture_scope()",
                                   RuntimeWarning, stacklevel=3)
-            _local.scope = self
-            with _active_lock:
-                _active += 1
-            stack.callback(self._deactivate)
+            activate_scope(self)
+            stack.callback(deactivate_scope)
         except BaseException:
             stack.close()
             raise
         self._stack = stack
         return self
-
-    def _deactivate(self) -> None:
-        global _active
-        _local.scope = None
-        with _active_lock:
-            _active -= 1
 
     def __exit__(self, *exc) -> bool:
         stack, self._stack = self._stack, None
@@ -521,7 +455,7 @@ def capture_graph(step: Callable[[], Any], *, stream=None, warmup: int = 1, pool
     ``attention_metadata`` is read once, on the host, at capture, and frozen into the graph: pass a
     **replay-wide bound** -- the largest lengths the graph will ever serve, e.g.
     ``attention_metadata=[1, max_model_len]`` for decode -- never the current step's values. Any valid
-    bound gives bit-identical results (SPEC 4.5); a bound smaller than a length reached during a replay
+    bound gives bit-identical results (contract §4.5); a bound smaller than a length reached during a replay
     breaks the contract (work is omitted; memory stays safe). Leaving it out is correct too, but sizes
     the launch for the block table's full capacity.
 

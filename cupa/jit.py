@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
+from ._capture import check_compile_allowed
+
 log = logging.getLogger("cupa")
 
 __all__ = [
@@ -215,9 +217,7 @@ def get_kernel(spec: Specialization):
     kernel = _modules.get(key)
     if kernel is not None:
         return kernel
-    from .graphs import check_compile_allowed  # no compile (or module load) inside a CUDA-graph capture
-
-    check_compile_allowed(spec)
+    check_compile_allowed(spec)  # no compile (or module load) inside a CUDA-graph capture
     with _modules_lock:
         kernel = _modules.get(key)
         if kernel is not None:

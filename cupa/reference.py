@@ -1,7 +1,7 @@
 """The NumPy reference backend: float64 arithmetic, the oracle every CUDA backend is tested against.
 
-Semantics are SPEC.md sections 1-4 plus the decisions of docs/architecture.md. One call runs in two
-phases (seed section 7.2): the prologue of *every* token (packed-QKV split, QK-norm, RoPE, rounding
+Semantics are docs/contract.md sections 1-4 plus the decisions of docs/architecture.md. One call runs
+in two phases (seed section 7.2): the prologue of *every* token (packed-QKV split, QK-norm, RoPE, rounding
 to T, quantize-on-write, the cache write), then the attention of every token, so a token reads a
 cache that already holds every write of this call.
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import ml_dtypes
 
-from . import helpers
+from . import arrays, helpers
 from .contract import INPUT_NAMES, Problem
 from .errors import fail
 
@@ -46,23 +46,54 @@ PROLOGUE_ELEMENTS = 1 << 21
 
 
 class ReferenceBackend:
-    """NumPy inputs run here: float64 arithmetic on the CPU, output cast to T."""
+    """Host inputs run here: float64 arithmetic on the CPU, output cast to T.
+
+    NumPy arrays, and CPU arrays of any library NumPy can view without a copy (PyTorch CPU tensors,
+    JAX CPU arrays): the outputs come back in the library of ``query`` and the caches are updated in
+    place where they live.
+    """
 
     name = "reference"
+    verified = True
 
-    def not_supported_reasons(self, problem: Problem) -> list:
+    def not_supported_reasons(self, problem: Problem, device=None, options=None) -> list:
         return []
 
-    def preferred(self, problem: Problem) -> bool:
+    def preferred(self, problem: Problem, device=None, options=None) -> bool:
         return True
 
-    def describe(self, problem: Problem) -> str:
+    def describe(self, problem: Problem, device=None, options=None) -> str:
         return (f"NumPy float64 reference on the CPU: N={problem.token_count} B={problem.batch_size} "
                 f"H={problem.num_heads} Hk={problem.kv_num_heads} D={problem.head_size} "
                 f"cache={problem.cache_kind}")
 
-    def run(self, problem: Problem, inputs: dict, out=None, stream=None):
-        return _run(problem, inputs, out)
+    def run(self, plan, inputs: dict, out=None, stream=None):
+        pb = plan.problem
+        like = inputs["query"]
+        views = {name: (x if name == "attention_metadata" else arrays.host_view(x, name, cache=name in _CACHES))
+                 for name, x in inputs.items()}
+        out_view = arrays.host_out(out, like, pb.output_shape, _T[pb.dtype])
+        _check_disjoint(pb, views, out_view)
+        result = _run(pb, views, out_view)
+        if isinstance(result, tuple):
+            return (arrays.wrap_host(result[0], like, out), *(arrays.wrap_host(r, like) for r in result[1:]))
+        return arrays.wrap_host(result, like, out)
+
+
+_CACHES = ("key_cache", "value_cache")
+
+
+def _check_disjoint(pb: Problem, views: dict, out) -> None:
+    """value_cache apart from key_cache (SEPARATE), out= apart from every input (host memory)."""
+    if not pb.latent and views["value_cache"] is not None and np.may_share_memory(views["key_cache"],
+                                                                                  views["value_cache"]):
+        raise fail("value_cache", "memory overlapping key_cache", "a cache of its own: K and V rows are written to "
+                   "separate caches")
+    if out is not None:
+        for name, x in views.items():
+            if name != "attention_metadata" and isinstance(x, np.ndarray) and np.may_share_memory(out, x):
+                raise fail("out", f"memory overlapping {name}", "an output buffer of its own (out= never aliases "
+                           "an input)")
 
 
 BACKEND = ReferenceBackend()
@@ -152,7 +183,7 @@ def _scale64(s, D: int):
 
 @dataclass
 class _Tokens:
-    """Per-token facts of one call (SPEC 4, docs/architecture.md), arrays of shape (N,)."""
+    """Per-token facts of one call (contract §4, docs/architecture.md), arrays of shape (N,)."""
 
     seq: np.ndarray        # owner sequence, clipped to [0, B) (meaningful where ``valid``)
     valid: np.ndarray      # owned by a valid sequence, position valid
@@ -227,7 +258,7 @@ def _prologue(pb: Problem, x: dict, tok: _Tokens):
 
 
 def _write_cache(pb: Problem, x: dict, tok: _Tokens, k_T, v_T) -> None:
-    """Every valid token's K and V to its slot (SPEC 4.1): a T cache stores the T value, a quantized
+    """Every valid token's K and V to its slot (contract §4.1): a T cache stores the T value, a quantized
     cache the code of :func:`cupa.quantize`; slots outside the cache write nothing."""
     NB, bs, MB = pb.num_blocks, pb.block_size, pb.max_blocks_per_seq
     valid = tok.valid
@@ -289,7 +320,7 @@ def _run(pb: Problem, inputs: dict, out):
 
 
 class _Attention:
-    """Attention of every token over the cache the prologue wrote (SPEC 4.2-4.3), grid by grid."""
+    """Attention of every token over the cache the prologue wrote (contract §4.2-§4.3), grid by grid."""
 
     def __init__(self, pb: Problem, x: dict, tok: _Tokens, q_T, result, qk, lse):
         self.pb, self.tok, self.q_T = pb, tok, q_T

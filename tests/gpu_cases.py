@@ -2,7 +2,7 @@
 
 ``build`` makes NumPy inputs (fresh random data, never zeros); ``check_against_reference`` runs
 the reference on one copy and the CUDA path on CuPy copies with a NaN-poisoned ``out=``, then
-checks every output element (SPEC section 6 tolerances) and every cache byte.
+checks every output element (contract §6 tolerances) and every cache byte.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import numpy as np
 import cupa
 
 NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+#: The cupa.Options every case of :func:`build` runs with (its attrs carry them); a test module's fixture
+#: sets it (monkeypatch) to run its cases with another backend or launch route.
+OPTIONS = None
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}
 
 
@@ -54,6 +57,8 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
         return (rng.standard_normal(shape) * scale).astype(T)
 
     attrs = dict(num_heads=H, kv_num_heads=Hk, softcap=softcap, local_window_size=window, is_causal=is_causal)
+    if OPTIONS is not None:
+        attrs["options"] = OPTIONS
     inputs = {}
     if packed:
         inputs["query"] = act(N, (H + 2 * Hk) * D)
@@ -148,7 +153,7 @@ def assert_cache_close(got, ref, kind, dtype, name):
     """T caches within one ulp of T; quantized caches within one code."""
     got, ref = np.asarray(got), np.asarray(ref)
     if kind == "T":
-        # SPEC 4.1 has the GPU prologue compute in fp32: where the two terms of a rotated pair
+        # contract §4.1 has the GPU prologue compute in fp32: where the two terms of a rotated pair
         # cancel, fp32 cannot land within one ulp of T of the float64 result. The bound is one ulp
         # of T at the value plus a few fp32 roundings of the row's magnitude (the operands' size).
         g64, r64 = got.astype(np.float64), ref.astype(np.float64)
@@ -175,10 +180,22 @@ def assert_cache_close(got, ref, kind, dtype, name):
         assert diff.max() <= 1, f"{name}: fp8 codes differ by {diff.max()} steps"
 
 
+def host_attrs(attrs: dict) -> dict:
+    """``attrs`` for the NumPy reference: without the Options of a CUDA backend."""
+    return {k: v for k, v in attrs.items() if k != "options"}
+
+
+def with_options(attrs: dict, **changes) -> dict:
+    """``attrs`` whose Options (``cupa.Options()`` if none) have ``changes`` applied."""
+    import dataclasses
+
+    return dict(attrs, options=dataclasses.replace(attrs.get("options") or cupa.Options(), **changes))
+
+
 def check_against_reference(cp, inputs, attrs, *, metadata=None, dtype="float16", cache="T", stream=None):
     """Run reference and CUDA on the same inputs; check output and caches. Returns the device output."""
     ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-    ref = cupa.paged_attention(**ref_in, attention_metadata=metadata, **attrs)
+    ref = cupa.paged_attention(**ref_in, attention_metadata=metadata, **host_attrs(attrs))
     dev = to_device(cp, inputs)
     N = inputs["query"].shape[0]
     H = attrs["num_heads"]
@@ -202,7 +219,7 @@ def check_graph_capture(cp, inputs, attrs, metadata):
     Capture fails on any host synchronization, so this is the proof that a call has none.
     """
     ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-    ref = cupa.paged_attention(**ref_in, **attrs)
+    ref = cupa.paged_attention(**ref_in, **host_attrs(attrs))
     dev = to_device(cp, inputs)
     N, H, D = inputs["query"].shape[0], attrs["num_heads"], inputs["key_cache"].shape[-1]
     out = cp.full((N, H * D), np.nan, dtype=dev["query"].dtype)
@@ -223,7 +240,7 @@ def build_prefix_written_this_call(rng, **kw):
 
     Sequence 0 has no past and writes its first 16 new tokens into its block 0; sequence 1 maps its
     logical block 0 to that same block (a shared prefix) and has a past of 16, so its attention reads
-    positions 0..15 from rows this call writes (SPEC 4.1: every write lands before any read).
+    positions 0..15 from rows this call writes (contract §4.1: every write lands before any read).
     Sequences 2 and 3 are a zero-token one with a past and one without a past.
     """
     inputs, attrs = build(rng, q_lens=[40, 10, 0, 33], past=[0, 16, 5, 0], block_size=16, **kw)
@@ -231,46 +248,37 @@ def build_prefix_written_this_call(rng, **kw):
     return inputs, attrs
 
 
-def check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, *, backend, dtype="float16", metadata=None,
-                               beside=False):
+def check_new_keys_from_inputs(cp, inputs, attrs, *, backend, dtype="float16", metadata=None, beside=False):
     """The prefill reading new K/V from key/value (prefill.kv_from_inputs; explain() says so, and whether
     the prologue runs beside the attention kernel on SMs of its own) against the reference, then bit
-    for bit against the same call with that off (CUPA_PREFILL_KV_INPUTS=0): output, key cache and
-    value cache."""
-    from cupa import api
-    from cupa.kernels import prefill
+    for bit against the same call with that off (Options(new_kv_from_inputs=False)): output, key cache
+    and value cache."""
+    def explain(a):
+        return cupa.PagedAttention(**a).explain(**to_device(cp, inputs), attention_metadata=metadata)
 
-    def explain():
-        return cupa.PagedAttention(**attrs).explain(**to_device(cp, inputs), attention_metadata=metadata)
-
-    text = explain()
+    text = explain(attrs)
     assert f"{backend}: chosen" in text and "new K/V read from key/value" in text, text
     assert ("SMs of its own" in text) == beside, text
     out_on, dev_on = check_against_reference(cp, inputs, attrs, dtype=dtype, metadata=metadata)
-    monkeypatch.setenv(prefill.KV_INPUTS_ENV, "0")
-    api._bound_op.cache_clear()
-    try:
-        assert "new K/V read from key/value" not in explain()
-        out_off, dev_off = check_against_reference(cp, inputs, attrs, dtype=dtype, metadata=metadata)
-    finally:
-        monkeypatch.delenv(prefill.KV_INPUTS_ENV)
-        api._bound_op.cache_clear()
+    off = with_options(attrs, new_kv_from_inputs=False)
+    assert "new K/V read from key/value" not in explain(off)
+    out_off, dev_off = check_against_reference(cp, inputs, off, dtype=dtype, metadata=metadata)
     for name, a, b in (("output", out_on, out_off), ("key_cache", dev_on["key_cache"], dev_off["key_cache"]),
                        ("value_cache", dev_on["value_cache"], dev_off["value_cache"])):
         a, b = cp.asnumpy(a), cp.asnumpy(b)
-        assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), f"{name}: bits differ with {prefill.KV_INPUTS_ENV}=0"
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), f"{name}: bits differ with new_kv_from_inputs off"
 
 
-def check_new_keys_cases(cp, rng, monkeypatch, *, backend, dtype, head_sizes):
+def check_new_keys_cases(cp, rng, *, backend, dtype, head_sizes):
     """check_new_keys_from_inputs on: a call without a past (each head size), one whose new rows are
     another sequence's past in the same call (that CTA waits for the prologue; D=128), and one with
     enough tokens and bounds without a past, where the prologue runs beside the attention kernel (its
     512-thread token-loop variant on SMs of its own; the first head size)."""
     for D in head_sizes:
         inputs, attrs = build(rng, q_lens=[70, 0, 130], past=[0, 0, 0], H=8, Hk=2, D=D, dtype=dtype)
-        check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend=backend, dtype=dtype)
+        check_new_keys_from_inputs(cp, inputs, attrs, backend=backend, dtype=dtype)
     inputs, attrs = build_prefix_written_this_call(rng, H=8, Hk=2, D=128, dtype=dtype)
-    check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend=backend, dtype=dtype)
+    check_new_keys_from_inputs(cp, inputs, attrs, backend=backend, dtype=dtype)
     inputs, attrs = build(rng, q_lens=[1100, 0, 1000], past=[0, 0, 0], H=4, Hk=2, D=head_sizes[0], dtype=dtype)
-    check_new_keys_from_inputs(cp, monkeypatch, inputs, attrs, backend=backend, dtype=dtype,
+    check_new_keys_from_inputs(cp, inputs, attrs, backend=backend, dtype=dtype,
                                metadata=np.array([1100, 1100], dtype=np.int32), beside=True)

@@ -1,4 +1,4 @@
-"""Cases for the isolation rule of SPEC 4.4: a key a token does not admit never reaches that token.
+"""Cases for the isolation rule of contract §4.4: a key a token does not admit never reaches that token.
 
 :func:`build` makes a small paged call for one mask kind in which some tokens admit cache rows
 that others do not: in the same sequence (causal future, left of the window, ``is_causal=0`` with a

@@ -67,27 +67,31 @@ def test_decode_quantized_ragged_through_the_decode_backend(cp, rng, cache):
     inputs, attrs = gc.build(rng, q_lens=[3, 0, 9, 1], past=[40, 7, 0, 1200], H=8, Hk=2, D=128, cache=cache,
                              window=100, sink=True)
     ref = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()},
-                               **attrs)
+                               **gc.host_attrs(attrs))
     dev = gc.to_device(cp, inputs)
-    problem, _, bound = cupa.PagedAttention(**attrs).plan(**dev)
-    assert decode.uses_mma8_t(problem)
-    out = cp.full((problem.token_count, 8 * 128), np.nan, dtype=dev["query"].dtype)
-    decode.BACKEND.run(problem, bound, out=out)
+    named = gc.with_options(attrs, backend="decode")
+    op = cupa.PagedAttention(**named)
+    plan = op.plan(**dev)
+    assert plan.backend is decode.BACKEND and decode.uses_keys_as_m(plan.problem, plan.options)
+    out = cp.full((plan.problem.token_count, 8 * 128), np.nan, dtype=dev["query"].dtype)
+    op(**dev, out=out)
     host = cp.asnumpy(out)
     assert not np.isnan(host.astype(np.float32)).any()
     assert gc.rel_error(host, ref) < gc.TOLERANCE["float16"]
 
 
-def test_decode_quantized_head_major_switch(cp, rng, monkeypatch):
-    """CUPA_DECODE_MMA8_T=0 keeps 8-bit caches on the head-major loop (for A/B runs); both are right."""
+def test_decode_quantized_head_major_switch(cp, rng):
+    """_tuning.decode_keys_as_m=False keeps 8-bit caches on the head-major loop (for A/B runs); both are right."""
     from cupa.kernels import decode
+    from cupa.options import _Tuning
 
     inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=128, cache="int8", past=[700, 1500, 3, 90])
-    problem = cupa.PagedAttention(**attrs).plan(**inputs)[0]
-    assert decode.uses_mma8_t(problem) and decode.heads_per_cta(problem) == 8
-    monkeypatch.setenv(decode.MMA8_T_ENV, "0")
-    assert not decode.uses_mma8_t(problem) and decode.heads_per_cta(problem) == 16
+    problem = cupa.PagedAttention(**attrs).plan(**inputs).problem
+    default, head_major = cupa.Options(), cupa.Options(_tuning=_Tuning(decode_keys_as_m=False))
+    assert decode.uses_keys_as_m(problem, default) and decode.heads_per_cta(problem, default) == 8
+    assert not decode.uses_keys_as_m(problem, head_major) and decode.heads_per_cta(problem, head_major) == 16
     gc.check_against_reference(cp, inputs, attrs, cache="int8")
+    gc.check_against_reference(cp, inputs, dict(attrs, options=head_major), cache="int8")
 
 
 def test_decode_features_combined(cp, rng):

@@ -9,15 +9,15 @@ import types
 import pytest
 
 import cupa
-from cupa import graphs, jit
+from cupa import _capture, graphs, jit
 
 
 @pytest.fixture
 def no_scope():
     """Leave the thread-local capture state as it was, whatever a test does to it."""
-    before = (getattr(graphs._local, "scope", None), graphs._active)
+    before = (_capture.active_scope(), _capture.ACTIVE[0])
     yield
-    graphs._local.scope, graphs._active = before
+    _capture._local.scope, _capture.ACTIVE[0] = before
 
 
 def test_import_without_gpu_and_lazy_export():
@@ -53,7 +53,7 @@ def test_capture_graph_without_cupy_is_a_clear_error(monkeypatch):
 
 
 def test_keep_alive_is_a_noop_outside_capture(no_scope):
-    assert graphs._active == 0 and not graphs.capture_active()
+    assert _capture.ACTIVE[0] == 0 and not graphs.capture_active()
     obj = object()
     graphs.keep_alive(obj, None)
     graphs.keep_alive()
@@ -62,7 +62,7 @@ def test_keep_alive_is_a_noop_outside_capture(no_scope):
 
 def test_keep_alive_registers_inside_an_active_scope(no_scope):
     scope = graphs.CaptureScope()
-    graphs._local.scope, graphs._active = scope, 1   # what CaptureScope.__enter__ sets on this thread
+    _capture._local.scope, _capture.ACTIVE[0] = scope, 1   # what CaptureScope.__enter__ sets on this thread
     a, b = object(), object()
     graphs.keep_alive(a, None, b)
     assert scope.kept == [a, b]
@@ -73,7 +73,7 @@ def test_keep_alive_ignores_scopes_of_other_threads(no_scope):
     import threading
 
     scope = graphs.CaptureScope()
-    graphs._local.scope, graphs._active = scope, 1
+    _capture._local.scope, _capture.ACTIVE[0] = scope, 1
     seen = []
 
     def other():
@@ -109,19 +109,19 @@ def test_jit_refuses_to_compile_inside_a_capture(monkeypatch, no_scope):
     monkeypatch.setattr(jit, "_cupy_module", lambda: fake)
     spec = jit.Specialization("decode", "paged_decode<float, CacheSame<float>, 1>", options=("-DCUPA_TEST_GRAPH_GUARD=1",))
     monkeypatch.delitem(jit._modules, (spec, 0), raising=False)
-    graphs._local.scope, graphs._active = graphs.CaptureScope(), 1
+    _capture._local.scope, _capture.ACTIVE[0] = graphs.CaptureScope(), 1
     with pytest.raises(graphs.GraphCaptureError, match="warm") as info:
         jit.get_kernel(spec)
     assert "paged_decode<float, CacheSame<float>, 1>" in str(info.value)
     assert fake.compiled == [], "the guard must refuse before NVRTC runs"
     assert (spec, 0) not in jit._modules
     # Outside a capture the same call compiles (through the fake) and memoizes.
-    graphs._local.scope, graphs._active = None, 0
+    _capture._local.scope, _capture.ACTIVE[0] = None, 0
     try:
         assert jit.get_kernel(spec) == ("kernel", "paged_decode<float, CacheSame<float>, 1>")
         assert len(fake.compiled) == 1
         # A memoized kernel is free inside a capture: no guard on the hit path.
-        graphs._local.scope, graphs._active = graphs.CaptureScope(), 1
+        _capture._local.scope, _capture.ACTIVE[0] = graphs.CaptureScope(), 1
         assert jit.get_kernel(spec) == ("kernel", "paged_decode<float, CacheSame<float>, 1>")
     finally:
         jit._modules.pop((spec, 0), None)

@@ -1,4 +1,4 @@
-"""A key a token does not admit never reaches that token, on the NumPy reference (SPEC 4.4).
+"""A key a token does not admit never reaches that token, on the NumPy reference (contract §4.4).
 
 NaN and Inf (NaN codes for fp8, extreme codes for int8) go into every cache row no token admits and
 into rows that some tokens admit and others do not: in the same sequence and chunk (causal future,

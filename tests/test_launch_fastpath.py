@@ -5,7 +5,7 @@ a stand-in for the few CuPy entry points cupa touches. Its kernels know their C 
 from ``cuda_src/*.cu``): every launch, by either route, is decoded into the bytes each parameter
 receives, and a parameter of the wrong size (an ``int64`` where the kernel takes ``int``) fails. The
 fast route (``cuLaunchKernel`` with a prebuilt parameter array) must hand every kernel exactly the
-bytes the ``RawKernel.__call__`` route (``CUPA_LAUNCH=rawkernel``) hands it.
+bytes the ``RawKernel.__call__`` route (``cupa.Options(launch="rawkernel")``) hands it.
 
 The ``gpu`` tests compare the two routes bit for bit on the device (decode- and prefill-shaped,
 quantized, with and without ``out=``, and under CUDA-graph capture).
@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import cupa
-from cupa import arrays, graphs, jit
+from cupa import _capture, arrays, device, graphs, jit
 from cupa.kernels import launch
 
 # -- a fake CuPy ---------------------------------------------------------------------------------------
@@ -139,7 +139,9 @@ class FakeCupy:
         class Device:
             def __init__(self, device=None):
                 self.id = fake._device() if device is None else int(device)
-                self.attributes = {"MultiProcessorCount": sm_count}
+                self.attributes = {"MultiProcessorCount": sm_count, "MaxSharedMemoryPerBlockOptin": 232448,
+                                   "MaxSharedMemoryPerMultiprocessor": 233472}
+                self.compute_capability = "90"
 
             def __enter__(self):
                 self._prev = fake._device()
@@ -200,7 +202,8 @@ class FakeCupy:
 
         self.RawModule = RawModule
         runtime = types.SimpleNamespace(getDevice=self._device, getDeviceCount=lambda: device_count,
-                                        memGetInfo=mem_get_info)
+                                        memGetInfo=mem_get_info,
+                                        getDeviceProperties=lambda d: {"name": b"Fake H200"})
         driver = types.SimpleNamespace(launchKernel=launch_kernel, ctxGetCurrent=lambda: 0xC0)
         self.cuda = types.SimpleNamespace(
             Device=Device, Stream=Stream, runtime=runtime, driver=driver,
@@ -282,21 +285,18 @@ class FakeCupy:
 
 
 @contextlib.contextmanager
-def fake_cupy(fake: FakeCupy | None = None, mode: str = "fast"):
-    """Install ``fake`` as ``cupy`` for cupa (module caches included) and select the launch route."""
+def fake_cupy(fake: FakeCupy | None = None):
+    """Install ``fake`` as ``cupy`` for cupa (module caches included)."""
     fake = fake or FakeCupy()
     saved_module = sys.modules.get("cupy")
-    saved = (arrays._cupy, jit._cupy, dict(jit._modules), getattr(launch, "MODE", None),
+    saved = (arrays._cupy, jit._cupy, dict(jit._modules), None,
              dict(launch._SHARED_CONFIGURED), dict(arrays._STREAMS))
-    reset = getattr(launch, "_reset_module_cache", lambda: None)   # (absent before the fast route)
     sys.modules["cupy"] = fake
     arrays._cupy = jit._cupy = None
     jit._modules.clear()
     launch._SHARED_CONFIGURED.clear()
-    if hasattr(launch, "set_mode"):
-        launch.set_mode(mode)
-    launch.sm_count.cache_clear()
-    reset()
+    device.device_info.cache_clear()
+    launch._reset_module_cache()
     try:
         yield fake
     finally:
@@ -307,14 +307,12 @@ def fake_cupy(fake: FakeCupy | None = None, mode: str = "fast"):
         arrays._cupy, jit._cupy = saved[0], saved[1]
         jit._modules.clear()
         jit._modules.update(saved[2])
-        if saved[3] is not None:
-            launch.set_mode(saved[3])
         launch._SHARED_CONFIGURED.clear()
         launch._SHARED_CONFIGURED.update(saved[4])
         arrays._STREAMS.clear()
         arrays._STREAMS.update(saved[5])
-        launch.sm_count.cache_clear()
-        reset()
+        device.device_info.cache_clear()
+        launch._reset_module_cache()
 
 
 def fake_case(fake: FakeCupy, *, B=1, L=16, H=32, Hk=8, D=128, bs=16, N=None, dtype=np.float16, cache=None,
@@ -376,21 +374,15 @@ def _np_dtype(d):
     return d
 
 
-def _run(fake, case, *, out=False, md=None, calls=1, backend=None):
-    """Run ``case`` ``calls`` times through a bound op (or straight through ``backend.run``)."""
+def _run(fake, case, *, out=False, md=None, calls=1, options=None):
+    """Run ``case`` ``calls`` times through a bound op with ``options``."""
     kw = dict(CASES[case])
     kw["dtype"] = _np_dtype(kw.get("dtype", np.float16))
     x, attrs = fake_case(fake, **kw)
-    op = cupa.PagedAttention(**attrs)
+    op = cupa.PagedAttention(**attrs, options=options)
     o = fake.empty(x["query"].shape[:1] + (attrs["num_heads"] * x["key_cache"].shape[-1],), x["query"].dtype) \
         if out else None
-    results = []
-    for _ in range(calls):
-        if backend is None:
-            results.append(op(**x, attention_metadata=md, out=o))
-        else:
-            problem, _, inputs = op.plan(**x, attention_metadata=md)
-            results.append(backend.run(problem, inputs, out=o))
+    results = [op(**x, attention_metadata=md, out=o) for _ in range(calls)]
     return x, o, results
 
 
@@ -405,17 +397,16 @@ _OURS = ("paged_prologue", "paged_decode", "paged_decode_mma")
 @pytest.mark.parametrize("real_arrays", [False, True])
 def test_fast_route_passes_the_bytes_rawkernel_passes(case, out, via, real_arrays):
     """Same kernels, grids, blocks, shared memory, stream and parameter bytes on both routes."""
-    from cupa.kernels.decode import BACKEND
-
     if real_arrays:
         pytest.importorskip("cupy")
     seen = {}
     for mode in ("rawkernel", "fast"):
         fake = FakeCupy(real_arrays=real_arrays)
-        with fake_cupy(fake, mode):
+        options = cupa.Options(launch=mode, backend="decode" if via == "decode_backend" else "auto")
+        with fake_cupy(fake):
             fake._heap[0] = 0x7F00_0000_0000          # same addresses in both runs
             _run(fake, case, out=out, md=[1, 0] if case.startswith("decode_b8") else None, calls=2,
-                 backend=BACKEND if via == "decode_backend" else None)
+                 options=options)
         ours = [launch_ for launch_ in fake.launches if launch_[1] in _OURS]
         assert ours and all(launch_[0] == mode for launch_ in ours)
         seen[mode] = ([launch_[1:] for launch_ in fake.launches], fake.allocations)
@@ -429,11 +420,11 @@ def test_tensor_map_arguments_reach_the_kernel_on_both_routes():
     for mode in ("rawkernel", "fast"):
         fake = FakeCupy()
         fake.sigs["k_maps"] = (8, 128, 4, 128)
-        with fake_cupy(fake, mode):
+        with fake_cupy(fake):
             kernel = fake.RawModule().get_function("k_maps<1>")
             step = launch.Launcher(kernel, (3,), (32,), (launch.POINTER, launch.TENSOR_MAP, np.int32(7),
                                                          launch.TENSOR_MAP))
-            seq = launch.Sequence([(step, (0,))], 1)
+            seq = launch.Sequence([(step, (0,))], 1, route=mode)
             for call in range(2):
                 maps = (bytes(range(call, call + 128)), bytes(range(255 - call, 127 - call, -1)))
                 seq([0x1000 + call], 0, maps)
@@ -460,7 +451,7 @@ def test_programmatic_launch_of_the_decode_kernel(monkeypatch, case):
         fake = FakeCupy()
 
         def fake_ex(cfg_ptr, func, table, extra, fake=fake):
-            cfg = launch._LaunchConfig.from_address(cfg_ptr)
+            cfg = launch.driver.LaunchConfig.from_address(cfg_ptr)
             attrs = [(cfg.attrs[i].id, cfg.attrs[i].value[0]) for i in range(cfg.numAttrs)]
             ex_calls.append((fake._functions[func], attrs))
             assert extra is None
@@ -469,18 +460,17 @@ def test_programmatic_launch_of_the_decode_kernel(monkeypatch, case):
                                           table, 0)
             return 0
 
-        monkeypatch.setattr(launch, "pdl_enabled", lambda device_id, on=pdl: on)
         monkeypatch.setattr(launch, "_compiled_for_pdl", lambda kernel: True)
-        monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: fake_ex)
-        with fake_cupy(fake, "fast"):
+        monkeypatch.setattr(launch.driver, "launch_kernel_ex", lambda: fake_ex)
+        with fake_cupy(fake):
             fake._heap[0] = 0x7F00_0000_0000
-            _run(fake, case, out=True, calls=2)
+            _run(fake, case, out=True, calls=2, options=cupa.Options(programmatic_launch=pdl))
         seen[pdl] = [launch_[1:] for launch_ in fake.launches]
     assert seen[True] == seen[False]
     decode = [name for name, _ in ex_calls]
     attention = ("paged_decode", "paged_decode_mma", "paged_prefill")
     assert decode and set(decode) <= set(attention), decode
-    assert all(attrs == [(launch._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)] for _, attrs in ex_calls)
+    assert all(attrs == [(launch.driver.PROGRAMMATIC_STREAM_SERIALIZATION, 1)] for _, attrs in ex_calls)
     assert len(ex_calls) == sum(1 for launch_ in seen[True] if launch_[0] in attention)
 
 
@@ -489,8 +479,7 @@ def test_no_programmatic_launch_for_a_kernel_compiled_below_sm_90(monkeypatch):
     from cupa.kernels import launch
 
     calls = []
-    monkeypatch.setattr(launch, "pdl_enabled", lambda device_id: True)
-    monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(launch.driver, "launch_kernel_ex", lambda: lambda *a: calls.append(a) or 0)
 
     class Old:
         attributes = {"ptx_version": 80}
@@ -501,7 +490,7 @@ def test_no_programmatic_launch_for_a_kernel_compiled_below_sm_90(monkeypatch):
     assert not launch._compiled_for_pdl(Old()) and launch._compiled_for_pdl(New())
     assert not launch._compiled_for_pdl(object())
     fake = FakeCupy()
-    with fake_cupy(fake, "fast"):
+    with fake_cupy(fake):
         _run(fake, "decode_b8_long_split", out=True)   # the fake's kernels have no attributes
     assert calls == [] and any(launch_[1] == "paged_decode_mma" for launch_ in fake.launches)
 
@@ -519,20 +508,17 @@ def test_prologue_token_group_limit_matches_the_kernel():
 
 
 def test_programmatic_launch_switch(monkeypatch):
+    from cupa.device import describe_capability
     from cupa.kernels import launch
 
-    monkeypatch.setattr(launch, "_capability", lambda device_id: 90)
-    monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: object())
-    monkeypatch.delenv(launch.PDL_ENV, raising=False)
-    assert launch.pdl_enabled(0)
-    monkeypatch.setenv(launch.PDL_ENV, "0")
-    assert not launch.pdl_enabled(0)
-    monkeypatch.delenv(launch.PDL_ENV)
-    monkeypatch.setattr(launch, "_capability", lambda device_id: 80)
-    assert not launch.pdl_enabled(0)
-    monkeypatch.setattr(launch, "_capability", lambda device_id: 90)
-    monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: None)
-    assert not launch.pdl_enabled(0)
+    hopper, ampere = describe_capability(9, 0), describe_capability(8, 0)
+    monkeypatch.setattr(launch.driver, "launch_kernel_ex", lambda: object())
+    assert launch.pdl_allowed(hopper, cupa.Options())
+    assert not launch.pdl_allowed(hopper, cupa.Options(programmatic_launch=False))
+    assert not launch.pdl_allowed(hopper, cupa.Options(launch="rawkernel"))
+    assert not launch.pdl_allowed(ampere, cupa.Options())
+    monkeypatch.setattr(launch.driver, "launch_kernel_ex", lambda: None)
+    assert not launch.pdl_allowed(hopper, cupa.Options())
 
 
 def test_launch_config_layout_matches_cuda_h():
@@ -541,10 +527,11 @@ def test_launch_config_layout_matches_cuda_h():
 
     from cupa.kernels import launch
 
-    assert ctypes.sizeof(launch._LaunchAttribute) == 72
-    assert launch._LaunchAttribute.value.offset == 8
-    assert launch._LaunchConfig.hStream.offset == 32 and launch._LaunchConfig.attrs.offset == 40
-    assert launch._LaunchConfig.numAttrs.offset == 48 and ctypes.sizeof(launch._LaunchConfig) == 56
+    attr, cfg = launch.driver.LaunchAttribute, launch.driver.LaunchConfig
+    assert ctypes.sizeof(attr) == 72
+    assert attr.value.offset == 8
+    assert cfg.hStream.offset == 32 and cfg.attrs.offset == 40
+    assert cfg.numAttrs.offset == 48 and ctypes.sizeof(cfg) == 56
 
 
 def test_one_workspace_allocation_per_call_and_kernels_per_call():
@@ -634,14 +621,15 @@ def test_prologue_uses_fewer_fuller_ctas_for_many_tokens():
     with fake_cupy(fake):
         x, attrs = fake_case(fake, B=4, N=4 * 2048, L=2048, H=32, Hk=8, D=128)
         op = cupa.PagedAttention(**attrs)
-        problem = op.plan(**x)[0]
-        launcher = prologue.prologue_launcher(problem)
+        plan = op.plan(**x)
+        problem = plan.problem
+        launcher = prologue.prologue_launcher(problem, plan.device, plan.options)
         # one row group per token, then 4 tokens per CTA (8192 tokens >= 4 x 10 CTAs x 132 SMs)
         assert launcher.grid[:2] == (4 * 2048 // 4, 1)
         assert launcher.args[-2:] == (np.int32(4 * 2048), np.int32(4))   # token_count, tokens_per_cta
-        small = op.plan(**fake_case(fake, B=2, L=64, H=32, Hk=8, D=128)[0])[0]
-        assert prologue.prologue_launcher(small).grid[:2] == (2, 4)
-        assert prologue.prologue_launcher(small).args[-1] == 1
+        small = op.plan(**fake_case(fake, B=2, L=64, H=32, Hk=8, D=128)[0])
+        assert prologue.prologue_launcher(small.problem, small.device, small.options).grid[:2] == (2, 4)
+        assert prologue.prologue_launcher(small.problem, small.device, small.options).args[-1] == 1
         assert prologue.prologue_grid(problem, 132) == (1, 4)
         assert prologue.prologue_grid(problem, 400) == (1, 2)   # 8192 // (10 x 400)
         assert prologue.prologue_grid(problem, 500) == (1, 1)    # 8192 // (10 x 500) = 1
@@ -665,38 +653,38 @@ def test_workspaces_are_kept_alive_inside_a_capture_scope():
         x, o, _ = _run(fake, "decode_b8_long_split", out=False)   # warm (recipe built)
         op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
         scope = graphs.CaptureScope()
-        graphs._local.scope, before = scope, graphs._active
-        graphs._active += 1
+        _capture._local.scope, before = scope, _capture.ACTIVE[0]
+        _capture.ACTIVE[0] += 1
         try:
             result = op(**x)
         finally:
-            graphs._local.scope = None
-            graphs._active = before
+            _capture._local.scope = None
+            _capture.ACTIVE[0] = before
         assert any(k is result for k in scope.kept)
         ws = [k for k in scope.kept if k is not result]
         assert len(ws) == 1 and ws[0].nbytes == fake.allocations[-1]
 
 
-def test_recipe_is_built_once_per_problem_and_device():
+def test_recipe_is_built_once_per_plan_and_device():
     fake = FakeCupy(device_count=2)
     with fake_cupy(fake):
         x, o, _ = _run(fake, "decode_b8_long_split", out=True, calls=3)
         assert len(fake.compiled) == 2                  # prologue, decode: once each
         op = cupa.PagedAttention(num_heads=32, kv_num_heads=8)
-        problem = op.plan(**x)[0]
+        plan = op.plan(**x)
         op(**x, out=o)
-        recipes = problem.__dict__["_cupa_decode_recipes"]
-        assert list(recipes) == [0]
-        first = recipes[0]
+        first = plan.state["recipe"]
         op(**x, out=o)
-        assert recipes[0] is first
-        with fake.cuda.Device(1):                      # the same problem on another device: its own recipe
+        assert plan.state["recipe"] is first and op.plan(**x) is plan
+        with fake.cuda.Device(1):                      # the same shapes on another device: a plan of its own
             x1 = {k: (fake.empty(v.shape, v.dtype) if v is not None else None) for k, v in x.items()}
             o1 = fake.empty(o.shape, o.dtype)
         op(**x1, out=o1)
-        assert sorted(recipes) == [0, 1] and recipes[0] is first
+        plan1 = op.plan(**x1)
+        assert plan1 is not plan and plan1.device.ordinal == 1 and plan.device.ordinal == 0
+        assert plan1.problem == plan.problem and plan1.state["recipe"] is not first
         assert len(fake.compiled) == 4
-        assert pickle.loads(pickle.dumps(problem)) == problem   # the recipes stay out of a pickle
+        assert pickle.loads(pickle.dumps(plan.problem)) == plan.problem
 
 
 def test_threads_get_their_own_parameter_buffers():
@@ -800,11 +788,12 @@ def test_fast_input_path_keeps_the_general_errors():
         assert op(**x) is not None
 
 
-def test_unknown_launch_mode_warns_and_uses_the_fast_route():
-    with pytest.warns(RuntimeWarning, match="CUPA_LAUNCH"):
-        assert launch._mode_from_env("bogus") == "fast"
-    assert launch._mode_from_env("rawkernel") == "rawkernel"
-    assert launch._mode_from_env(None) == "fast"
+def test_unknown_launch_route_is_an_options_error():
+    with pytest.raises(cupa.PagedAttentionError, match="options.launch: got 'bogus'; expected one of 'fast', "
+                                                       "'rawkernel'"):
+        cupa.Options(launch="bogus")
+    with pytest.raises(ValueError, match="route"):
+        launch.Sequence([], 0, route="bogus")
 
 
 def test_paged_attention_function_reuses_bound_ops():
@@ -814,7 +803,7 @@ def test_paged_attention_function_reuses_bound_ops():
     base = dict(num_heads=4, kv_num_heads=2, scale=0.0, softcap=0.0, local_window_size=-1, is_causal=1,
                 do_rotary=0, rotary_interleaved=0, rotary_offset=0, qk_norm_epsilon=1e-6, k_quant_type="NONE",
                 v_quant_type="NONE", k_cache_dtype="", v_cache_dtype="", kv_cache_layout="SEPARATE",
-                v_head_size=0, qk_output=0)
+                v_head_size=0, qk_output=0, return_lse=False, options=None)
 
     def op_for(**changes):
         return api._op_for(*{**base, **changes}.values())
@@ -828,6 +817,8 @@ def test_paged_attention_function_reuses_bound_ops():
     with pytest.raises(cupa.PagedAttentionError, match="scale"):
         op_for(scale=[1.0])                             # unhashable: the attribute error, not lru_cache's
     assert op_for(scale=1) is not op_for(scale=1.0)
+    assert op_for(options=cupa.Options(launch="rawkernel")) is not a
+    assert op_for(options=cupa.Options(launch="rawkernel")) is op_for(options=cupa.Options(launch="rawkernel"))
 
 
 def test_paged_attention_function_matches_the_bound_op():
@@ -867,59 +858,45 @@ def gpu_cp():
     return pytest.importorskip("cupy")
 
 
-def _device_run(cp, inputs, attrs, *, mode, out, md=None, backend=None, stream=None):
-    """One call on fresh device copies in ``mode``; returns (output bytes, key/value cache bytes)."""
+def _device_run(cp, inputs, attrs, *, mode, out, md=None, backend="auto", stream=None, **options):
+    """One call on fresh device copies on launch route ``mode``; returns (output bytes, key/value cache bytes)."""
     from tests import gpu_cases as gc
 
-    launch.set_mode(mode)
     dev = gc.to_device(cp, inputs)
     o = None
     if out:
         D = dev["key_cache"].shape[-1]
         o = cp.full((dev["query"].shape[0], attrs["num_heads"] * D), np.nan, dtype=dev["query"].dtype)
-    op = cupa.PagedAttention(**attrs)
-    if backend is None:
-        got = op(**dev, attention_metadata=md, out=o, stream=stream)
-    else:
-        problem, _, bound = op.plan(**dev, attention_metadata=md)
-        got = backend.run(problem, bound, out=o, stream=stream)
+    op = cupa.PagedAttention(**gc.with_options(attrs, launch=mode, backend=backend, **options))
+    got = op(**dev, attention_metadata=md, out=o, stream=stream)
     if o is not None:
         assert got is o
     cp.cuda.Device().synchronize()
     return tuple(cp.asnumpy(a).view(np.uint8).tobytes() for a in (got, dev["key_cache"], dev["value_cache"]))
 
 
-@pytest.fixture
-def restore_mode():
-    before = launch.MODE
-    yield
-    launch.set_mode(before)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(GPU_CASES))
 @pytest.mark.parametrize("out", [False, True])
 @pytest.mark.parametrize("via", ["op", "decode_backend"])
-def test_gpu_fast_route_is_bit_identical_to_rawkernel(gpu_cp, rng, restore_mode, case, out, via):
-    from cupa.kernels.decode import BACKEND
+def test_gpu_fast_route_is_bit_identical_to_rawkernel(gpu_cp, rng, case, out, via):
     from tests import gpu_cases as gc
 
     kw = dict(GPU_CASES[case])
     cache = kw.get("cache", "T")
     inputs, attrs = gc.build(rng, **kw)
     md = [1, 4096] if "splits" in case else None
-    backend = BACKEND if via == "decode_backend" else None
+    backend = "decode" if via == "decode_backend" else "auto"
     raw = _device_run(gpu_cp, inputs, attrs, mode="rawkernel", out=out, md=md, backend=backend)
     fast = _device_run(gpu_cp, inputs, attrs, mode="fast", out=out, md=md, backend=backend)
     for name, a, b in zip(("output", "key_cache", "value_cache"), raw, fast):
-        assert a == b, f"{case}: {name} differs between CUPA_LAUNCH=rawkernel and the fast route"
-    if via == "op" and out:   # and both are right (the reference, SPEC tolerances)
-        launch.set_mode("fast")
+        assert a == b, f"{case}: {name} differs between the rawkernel and the fast route"
+    if via == "op" and out:   # and both are right (the reference, contract §6 tolerances)
         gc.check_against_reference(gpu_cp, inputs, attrs, metadata=md, dtype=kw.get("dtype", "float16"), cache=cache)
 
 
 @pytest.mark.gpu
-def test_gpu_fast_route_on_a_side_stream_and_threads(gpu_cp, rng, restore_mode):
+def test_gpu_fast_route_on_a_side_stream_and_threads(gpu_cp, rng):
     from tests import gpu_cases as gc
 
     cp = gpu_cp
@@ -946,16 +923,15 @@ def test_gpu_fast_route_on_a_side_stream_and_threads(gpu_cp, rng, restore_mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fast", "rawkernel"])
-def test_gpu_fast_route_captures_and_replays(gpu_cp, rng, restore_mode, mode):
+def test_gpu_fast_route_captures_and_replays(gpu_cp, rng, mode):
     """Replays of a graph captured on either route give the eager rawkernel bits; the workspace is kept."""
     from tests import gpu_cases as gc
 
     cp = gpu_cp
     inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500])
     eager = _device_run(cp, inputs, attrs, mode="rawkernel", out=True, md=[1, 4096])
-    launch.set_mode(mode)
     dev = gc.to_device(cp, inputs)
-    op = cupa.PagedAttention(**attrs)
+    op = cupa.PagedAttention(**gc.with_options(attrs, launch=mode))
     kc0, vc0 = dev["key_cache"].copy(), dev["value_cache"].copy()
     g = cupa.capture_graph(lambda: op(**dev, attention_metadata=[1, 4096]))
     assert any(isinstance(k, launch.Workspace) for k in g.kept)
@@ -974,7 +950,7 @@ def test_gpu_fast_route_captures_and_replays(gpu_cp, rng, restore_mode, mode):
 
 
 @pytest.mark.gpu
-def test_gpu_torch_inputs_both_routes(gpu_cp, rng, restore_mode):
+def test_gpu_torch_inputs_both_routes(gpu_cp, rng):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
@@ -984,9 +960,8 @@ def test_gpu_torch_inputs_both_routes(gpu_cp, rng, restore_mode):
     inputs, attrs = gc.build(rng, B=3, H=8, Hk=2, D=128, past=[100, 2000, 7])
     results = {}
     for mode in ("rawkernel", "fast"):
-        launch.set_mode(mode)
         t = {k: (torch.from_dlpack(cp.asarray(v)) if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-        got = cupa.PagedAttention(**attrs)(**t, attention_metadata=[1, 2048])
+        got = cupa.PagedAttention(**gc.with_options(attrs, launch=mode))(**t, attention_metadata=[1, 2048])
         torch.cuda.synchronize()
         assert isinstance(got, torch.Tensor)
         results[mode] = (got.view(torch.uint8).cpu().numpy().tobytes(),
@@ -995,16 +970,17 @@ def test_gpu_torch_inputs_both_routes(gpu_cp, rng, restore_mode):
 
 
 @pytest.mark.gpu
-def test_gpu_programmatic_launch_is_on_where_the_device_has_it(gpu_cp, rng, restore_mode, monkeypatch):
+def test_gpu_programmatic_launch_is_on_where_the_device_has_it(gpu_cp, rng):
     """On compute capability 9.0+ the fast route launches the decode kernel programmatically (so the
-    GPU tests of the fast route exercise griddepcontrol), and CUPA_PDL=0 gives the same bits."""
+    GPU tests of the fast route exercise griddepcontrol), and Options(programmatic_launch=False) gives
+    the same bits."""
+    from cupa.device import device_info
     from tests import gpu_cases as gc
 
     cp = gpu_cp
     dev_id = cp.cuda.runtime.getDevice()
-    launch.set_mode("fast")
     cc = int(cp.cuda.Device(dev_id).compute_capability)
-    assert launch.pdl_enabled(dev_id) == (cc >= 90)
+    assert launch.pdl_allowed(device_info(dev_id), cupa.Options()) == (cc >= 90)
     if cc >= 90:   # the decode kernels are compiled for the device's architecture: the wait is in them
         from cupa import jit
         from cupa.kernels import registry
@@ -1012,6 +988,5 @@ def test_gpu_programmatic_launch_is_on_where_the_device_has_it(gpu_cp, rng, rest
         assert launch._compiled_for_pdl(jit.get_kernel(registry.decode_mma_spec("float16", "T", 128)))
     inputs, attrs = gc.build(rng, B=5, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500, 0], rotary=True)
     on = _device_run(cp, inputs, attrs, mode="fast", out=True, md=[1, 4096])
-    monkeypatch.setenv(launch.PDL_ENV, "0")
-    off = _device_run(cp, inputs, attrs, mode="fast", out=True, md=[1, 4096])
+    off = _device_run(cp, inputs, attrs, mode="fast", out=True, md=[1, 4096], programmatic_launch=False)
     assert on == off

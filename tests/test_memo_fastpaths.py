@@ -39,17 +39,17 @@ def test_changed_shape_or_dtype_after_a_cached_call_raises():
         op.plan(**{**x, "block_table": bt})
     with pytest.raises(cupa.PagedAttentionError, match="query: got a builtins.list"):
         op.plan(**{**x, "query": x["query"].tolist()})    # not an array: no memo, the rule's error
-    assert op.plan(**x)[0].token_count == N                # and the cached entry still serves
+    assert op.plan(**x).problem.token_count == N                # and the cached entry still serves
 
 
 def test_changed_metadata_after_a_cached_call_changes_the_plan():
     op = cupa.PagedAttention(num_heads=H, kv_num_heads=HK)
     x = _inputs()
     md = np.array([1, 8], np.int32)
-    p1 = op.plan(**x, attention_metadata=md)[0]
-    assert op.plan(**x, attention_metadata=md)[0] is p1
+    p1 = op.plan(**x, attention_metadata=md).problem
+    assert op.plan(**x, attention_metadata=md).problem is p1
     md[1] = 5                                              # same array, new value in place
-    p2 = op.plan(**x, attention_metadata=md)[0]
+    p2 = op.plan(**x, attention_metadata=md).problem
     assert (p1.max_kv_len_bound, p2.max_kv_len_bound) == (8, 5)
     md[1] = -1
     with pytest.raises(cupa.PagedAttentionError, match="attention_metadata: got .*entries >= 0"):
@@ -58,14 +58,14 @@ def test_changed_metadata_after_a_cached_call_changes_the_plan():
         op.plan(**x, attention_metadata=np.array([1, 8], np.int64))
     with pytest.raises(cupa.PagedAttentionError, match=r"attention_metadata: got shape \(4,\)"):
         op.plan(**x, attention_metadata=np.array([1, 8, 0, 0], np.int32))
-    assert op.plan(**x, attention_metadata=[1, 8])[0] is p1   # same values, any host form: same key
+    assert op.plan(**x, attention_metadata=[1, 8]).problem is p1   # same values, any host form: same key
 
 
 def test_keyword_binding_fast_path_keeps_the_errors():
     op = cupa.PagedAttention(num_heads=H, kv_num_heads=HK)
     x = _inputs()
     args = tuple(x.values())
-    assert op.plan(*args[:2], **{k: v for k, v in list(x.items())[2:]})[0].token_count == N
+    assert op.plan(*args[:2], **{k: v for k, v in list(x.items())[2:]}).problem.token_count == N
     with pytest.raises(cupa.PagedAttentionError, match="key: got it both positionally"):
         op.plan(*args[:2], key=x["key"])
     with pytest.raises(cupa.PagedAttentionError, match="scale: got an unknown input name .*an attribute"):

@@ -4,16 +4,14 @@ Quick tier: the unmarked-slow tests (run after every kernel change). Full matrix
 Every run draws fresh random data, poisons the output with NaN and checks every element and
 cache byte (tests/gpu_cases.py). Each case asserts first that dispatch picks the prefill backend.
 On compute capability 9.0 the wgmma prefill serves most of these calls by default; every test here
-runs with CUPA_PREFILL_WGMMA=0 so that the mma.sync kernel stays checked on the device we have
-(tests/test_prefill_wgmma_gpu.py checks the wgmma kernel).
+runs with cupa.Options(backend="prefill") so that the mma.sync kernel stays checked on the device we
+have (tests/test_prefill_wgmma_gpu.py checks the wgmma kernel).
 """
 
 import numpy as np
 import pytest
 
 import cupa
-from cupa import api
-from cupa.kernels import prefill_wgmma
 from tests import gpu_cases as gc
 
 pytestmark = pytest.mark.gpu
@@ -21,11 +19,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def mma_sync_prefill(monkeypatch):
-    """The mma.sync prefill, also where the wgmma prefill would serve the call (fresh bound ops)."""
-    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "0")
-    api._bound_op.cache_clear()
-    yield
-    api._bound_op.cache_clear()
+    """The mma.sync prefill, also where the wgmma prefill would serve the call."""
+    monkeypatch.setattr(gc, "OPTIONS", cupa.Options(backend="prefill"))
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +104,8 @@ def test_prologue_several_tokens_per_cta(cp, rng, variant):
             slots[i] = -1
         inputs["slot_mapping"] = np.asarray(slots, dtype=np.int32)
     op = cupa.PagedAttention(**attrs)
-    problem = op.plan(**gc.to_device(cp, inputs))[0]
-    assert prologue.prologue_grid(problem, launch.sm_count_hint())[1] >= 2
+    plan = op.plan(**gc.to_device(cp, inputs))
+    assert prologue.prologue_grid(plan.problem, plan.device.sm_count)[1] >= 2
     check_prefill(cp, inputs, attrs, cache=cache)
 
 
@@ -140,8 +135,8 @@ def test_prologue_plain_copies_in_many_passes(cp, rng, monkeypatch, variant):
         for i in (0, 2, 279, 280, 2000):
             slots[i] = -1
         inputs["slot_mapping"] = np.asarray(slots, dtype=np.int32)
-    problem = cupa.PagedAttention(**attrs).plan(**gc.to_device(cp, inputs))[0]
-    assert prologue.prologue_grid(problem, launch.sm_count_hint()) == (1, 2)
+    plan = cupa.PagedAttention(**attrs).plan(**gc.to_device(cp, inputs))
+    assert prologue.prologue_grid(plan.problem, plan.device.sm_count) == (1, 2)
     check_prefill(cp, inputs, attrs)
 
 
@@ -149,7 +144,7 @@ def test_prologue_plain_copies_in_many_passes(cp, rng, monkeypatch, variant):
 def test_prefill_new_keys_from_inputs(cp, rng, monkeypatch, dtype):
     """New K/V read from key/value (no past; new rows that are another sequence's past in the same call;
     the prologue beside the kernel): the reference, and the same bits as the cache route."""
-    gc.check_new_keys_cases(cp, rng, monkeypatch, backend="prefill", dtype=dtype, head_sizes=(64, 128))
+    gc.check_new_keys_cases(cp, rng, backend="prefill", dtype=dtype, head_sizes=(64, 128))
 
 
 def test_prefill_window_sink_softcap(cp, rng):
@@ -170,8 +165,9 @@ def test_prefill_deterministic_and_metadata_bits(cp, rng):
         assert np.array_equal(o, outs[0]), "attention_metadata or a rerun changed the result bits"
 
 
-def test_explain_chooses_prefill_for_many_tokens(cp, rng):
-    inputs, attrs = gc.build(rng, q_lens=[5, 3], past=[10, 10], H=8, Hk=2, D=128)
+def test_explain_chooses_prefill_for_many_tokens(cp, rng, monkeypatch):
+    monkeypatch.setattr(gc, "OPTIONS", None)
+    inputs, attrs = gc.build(rng, q_lens=[5, 3], past=[10, 10], H=8, Hk=2, D=128, cache="int8")
     text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
     assert "prefill: chosen" in text and "token_count (8) > batch_size (2)" in text, text
     assert "decode: eligible but not preferred" in text, text
@@ -181,7 +177,8 @@ def test_explain_chooses_prefill_for_many_tokens(cp, rng):
 
 
 @pytest.mark.parametrize("case", ["float32", "head_size_96"])
-def test_unsupported_shapes_fall_back_to_decode(cp, rng, case):
+def test_unsupported_shapes_fall_back_to_decode(cp, rng, monkeypatch, case):
+    monkeypatch.setattr(gc, "OPTIONS", None)
     kw = dict(dtype="float32") if case == "float32" else dict(D=96)
     inputs, attrs = gc.build(rng, q_lens=[20, 9], past=[5, 0], H=4, Hk=2, **kw)
     text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))

@@ -1,16 +1,10 @@
-"""The Hopper wgmma prefill (compute capability 9.0, on by default) against the NumPy reference.
+"""The Hopper wgmma prefill (compute capability 9.0, chosen by default) against the NumPy reference.
 
-Every case runs with the switch at its default (CUPA_PREFILL_WGMMA unset; fresh ops:
-paged_attention() reuses cached ops, whose memo holds the backend choice, so the cache is cleared
-on both sides of each test), asserts that dispatch picks ``prefill_wgmma``, then checks every output
-element and cache byte (tests/gpu_cases.py). Skipped without a device, and on devices other than
-compute capability 9.0. First validated on an H200 in session 3 (37 passed).
-test_split_n_variant checks the ``-DCUPA_WGMMA_PV_SPLIT_N=1`` build (the P V product without the
-descriptor's leading byte offset) as well. Every case taking the ``wgmma_on`` fixture runs with each of
-the backend's two kernels forced (the warp-specialized persistent one, CUPA_PREFILL_WGMMA_WS=1, first
-validated in session 6, with its TMA K/V feed -- session 7 -- and with cp.async only, CUPA_PREFILL_TMA=0;
-paged_prefill_wgmma, =0); test_persistent_ctas_many_items caps the persistent CTAs so that each loops
-over many work items.
+Every case asserts that dispatch picks ``prefill_wgmma``, then checks every output element and cache
+byte (tests/gpu_cases.py). Skipped without a device, and on devices other than compute capability
+9.0. Every case taking the ``wgmma_on`` fixture runs twice: with the K/V feed as chosen (TMA where it
+applies) and with cp.async only (``cupa.Options(tma=False)``); test_persistent_ctas_many_items caps
+the persistent CTAs so that each loops over many work items.
 """
 
 
@@ -18,13 +12,22 @@ import numpy as np
 import pytest
 
 import cupa
-from cupa import api, jit
-from cupa.kernels import prefill_wgmma, registry
+from cupa.options import _Tuning
 from tests import gpu_cases as gc
+
+
+def _capability():
+    try:
+        from cupa.device import device_info
+
+        return device_info(0).capability
+    except Exception:  # no cupy, no driver, no device
+        return None
+
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(prefill_wgmma.device_capability() not in (None, (9, 0)),
+    pytest.mark.skipif(_capability() not in (None, (9, 0)),
                        reason="the wgmma prefill needs compute capability 9.0 (sm_90a)"),
 ]
 
@@ -36,21 +39,11 @@ def cp():
     return cupy
 
 
-@pytest.fixture(params=["ws", "ws_cpasync", "plain"])
+@pytest.fixture(params=["tma", "cp_async"])
 def wgmma_on(request, monkeypatch):
-    """The backend at its default, with each of its two kernels forced: the warp-specialized persistent
-    one (CUPA_PREFILL_WGMMA_WS=1) with its K/V feed as chosen (TMA where it applies) and with cp.async
-    only (CUPA_PREFILL_TMA=0), and paged_prefill_wgmma (CUPA_PREFILL_WGMMA_WS=0)."""
-    monkeypatch.delenv(prefill_wgmma.ENV_VAR, raising=False)  # the default
-    monkeypatch.delenv(prefill_wgmma.WS_CTAS_ENV_VAR, raising=False)
-    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "0" if request.param == "plain" else "1")
-    if request.param == "ws_cpasync":
-        monkeypatch.setenv(prefill_wgmma.TMA_ENV_VAR, "0")
-    else:
-        monkeypatch.delenv(prefill_wgmma.TMA_ENV_VAR, raising=False)
-    api._bound_op.cache_clear()
-    yield
-    api._bound_op.cache_clear()
+    """The backend at its default (chosen by dispatch), with its K/V feed as chosen (TMA where it applies)
+    and with cp.async only."""
+    monkeypatch.setattr(gc, "OPTIONS", None if request.param == "tma" else cupa.Options(tma=False))
 
 
 def chosen_backend(cp, inputs, attrs, metadata=None) -> str:
@@ -90,7 +83,7 @@ def test_smoke_not_causal_full_tiles(cp, rng, wgmma_on):
 def test_new_keys_from_inputs(cp, rng, monkeypatch, wgmma_on, dtype):
     """New K/V read from key/value (no past; new rows that are another sequence's past in the same call;
     the prologue beside the kernel): the reference, and the same bits as the cache route."""
-    gc.check_new_keys_cases(cp, rng, monkeypatch, backend="prefill_wgmma", dtype=dtype, head_sizes=(128,))
+    gc.check_new_keys_cases(cp, rng, backend="prefill_wgmma", dtype=dtype, head_sizes=(128,))
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64, 256])
@@ -200,30 +193,17 @@ def test_graph_capture(cp, rng, wgmma_on):
     gc.check_graph_capture(cp, inputs, attrs, metadata=[40, 140])
 
 
-def test_close_to_the_mma_sync_prefill(cp, rng, monkeypatch):
+def test_close_to_the_mma_sync_prefill(cp, rng):
     """The two prefill kernels agree far inside the reference tolerance (same inputs, fp32 accumulation)."""
     inputs, attrs = gc.build(rng, q_lens=[200, 64], past=[100, 0], H=8, Hk=2, D=128)
     outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv(prefill_wgmma.ENV_VAR, flag)
-        api._bound_op.cache_clear()
-        want = "prefill_wgmma" if flag == "1" else "prefill"
-        assert chosen_backend(cp, inputs, attrs) == want
+    for name in ("prefill_wgmma", "prefill"):
+        named = gc.with_options(attrs, backend=name)
+        assert chosen_backend(cp, inputs, named) == name
         fresh = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-        out, _ = gc.check_against_reference(cp, fresh, attrs)
-        outs[flag] = cp.asnumpy(out).astype(np.float32)
-    api._bound_op.cache_clear()
-    assert gc.rel_error(outs["1"], outs["0"]) < 1e-3
-
-
-def test_split_n_variant(cp, rng, wgmma_on, monkeypatch):
-    """The -DCUPA_WGMMA_PV_SPLIT_N=1 build (two m64n64 P V products per step, LBO unused) gives the same result."""
-    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "0")  # a build option of paged_prefill_wgmma
-    base = registry.prefill_wgmma_spec("float16")
-    split = jit.Specialization(base.family, base.name_expression, ("-DCUPA_WGMMA_PV_SPLIT_N=1",), arch=base.arch)
-    monkeypatch.setattr(registry, "prefill_wgmma_spec", lambda dtype, head_size=128: split)
-    inputs, attrs = gc.build(rng, q_lens=[70, 130], past=[0, 40], H=8, Hk=2, D=128)
-    check_wgmma(cp, inputs, attrs)
+        out, _ = gc.check_against_reference(cp, fresh, named)
+        outs[name] = cp.asnumpy(out).astype(np.float32)
+    assert gc.rel_error(outs["prefill_wgmma"], outs["prefill"]) < 1e-3
 
 
 @pytest.mark.parametrize("ctas", [1, 3, 7])
@@ -232,19 +212,13 @@ def test_persistent_ctas_many_items(cp, rng, monkeypatch, ctas):
     buffers, both K/V stages and every mbarrier go through many phases, items without keys (a zero-token
     sequence, rows outside any range) are interleaved with long ones, and the consumers' turns carry
     across items. Ragged lengths, a past, a window on one call."""
-    monkeypatch.delenv(prefill_wgmma.ENV_VAR, raising=False)
-    monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "1")
-    monkeypatch.setenv(prefill_wgmma.WS_CTAS_ENV_VAR, str(ctas))
-    api._bound_op.cache_clear()
-    try:
-        inputs, attrs = gc.build(rng, q_lens=[300, 0, 129, 1, 517], past=[0, 40, 1000, 7, 260], H=8, Hk=2, D=128,
-                                 block_size=16)
-        check_wgmma(cp, inputs, attrs)
-        inputs, attrs = gc.build(rng, q_lens=[200, 333], past=[150, 0], H=16, Hk=2, D=128, block_size=1,
-                                 dtype="bfloat16", window=70)
-        check_wgmma(cp, inputs, attrs, dtype="bfloat16")
-    finally:
-        api._bound_op.cache_clear()
+    monkeypatch.setattr(gc, "OPTIONS", cupa.Options(_tuning=_Tuning(prefill_ws_ctas=ctas)))
+    inputs, attrs = gc.build(rng, q_lens=[300, 0, 129, 1, 517], past=[0, 40, 1000, 7, 260], H=8, Hk=2, D=128,
+                             block_size=16)
+    check_wgmma(cp, inputs, attrs)
+    inputs, attrs = gc.build(rng, q_lens=[200, 333], past=[150, 0], H=16, Hk=2, D=128, block_size=1,
+                             dtype="bfloat16", window=70)
+    check_wgmma(cp, inputs, attrs, dtype="bfloat16")
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 24, 48, 64, 512])
@@ -273,7 +247,7 @@ def test_tma_windows_start_inside_a_box(cp, rng, wgmma_on, window, block_size):
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_tma_reads_through_the_tensor_maps(cp, rng, monkeypatch, block_size):
     """The TMA feed really runs: with the value cache's tensor map pointed at a negated copy, the output
-    moves far from the reference; with CUPA_PREFILL_TMA=0 the same substitution changes nothing (no
+    moves far from the reference; with Options(tma=False) the same substitution changes nothing (no
     maps are used) and the output matches the reference."""
     from cupa.kernels import tma
 
@@ -281,33 +255,105 @@ def test_tma_reads_through_the_tensor_maps(cp, rng, monkeypatch, block_size):
     ref = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()},
                                **attrs)
     encode = tma.rows_map
-    for tma_env in ("1", "0"):
-        monkeypatch.delenv(prefill_wgmma.ENV_VAR, raising=False)
-        monkeypatch.setenv(prefill_wgmma.WS_ENV_VAR, "1")
-        monkeypatch.setenv(prefill_wgmma.TMA_ENV_VAR, tma_env)
-        api._bound_op.cache_clear()
+    for use_tma in (True, False):
+        named = gc.with_options(attrs, tma=use_tma)
         dev = gc.to_device(cp, inputs)
         shadow = -dev["value_cache"]
         target = dev["value_cache"].data.ptr
         monkeypatch.setattr(tma, "rows_map", lambda ptr, *a: encode(shadow.data.ptr if ptr == target else ptr, *a))
-        text = cupa.PagedAttention(**attrs).explain(**dev)
-        assert ("cache rows by TMA in boxes of" in text) == (tma_env == "1"), text
-        out = cp.asnumpy(cupa.PagedAttention(**attrs)(**dev))
+        text = cupa.PagedAttention(**named).explain(**dev)
+        assert ("cache rows by TMA in boxes of" in text) == use_tma, text
+        out = cp.asnumpy(cupa.PagedAttention(**named)(**dev))
         err = gc.rel_error(out, ref)
-        assert (err > 0.5) if tma_env == "1" else (err < gc.TOLERANCE["float16"]), (tma_env, err)
-    api._bound_op.cache_clear()
+        assert (err > 0.5) if use_tma else (err < gc.TOLERANCE["float16"]), (use_tma, err)
 
 
 # ---- dispatch on the device --------------------------------------------------------------------
 
-def test_explain_only_when_enabled_and_covered(cp, rng, monkeypatch):
+def test_explain_only_when_covered(cp, rng):
     inputs, attrs = gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
-    monkeypatch.setenv(prefill_wgmma.ENV_VAR, "0")
-    api._bound_op.cache_clear()
+    named = gc.with_options(attrs, backend="prefill")
+    text = cupa.PagedAttention(**named).explain(**gc.to_device(cp, inputs))
+    assert "prefill: chosen" in text and "prefill_wgmma: not considered (options.backend='prefill')" in text, text
     text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
-    assert "prefill: chosen" in text and "prefill_wgmma: not eligible" in text and "CUPA_PREFILL_WGMMA=0" in text, text
+    assert "prefill_wgmma: chosen" in text and "prefill: eligible but not preferred" in text, text
+    for kw, reason in ((dict(D=64), "head_size 64"), (dict(cache="int8"), "int8 cache"),
+                       (dict(dtype="float32"), "T=float32")):
+        inputs, attrs = gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, **{"D": 128, **kw})
+        text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
+        assert "prefill_wgmma: not eligible" in text and reason in text, text
+        assert "prefill_wgmma: chosen" not in text, text
+    # decode-shaped calls stay with the decode backend
+    inputs, attrs = gc.build(rng, q_lens=[1, 1], past=[10, 10], H=8, Hk=2, D=128)
+    assert chosen_backend(cp, inputs, attrs) == "decode"@pytest.mark.parametrize("ctas", [1, 3, 7])
+def test_persistent_ctas_many_items(cp, rng, monkeypatch, ctas):
+    """The warp-specialized kernel with few persistent CTAs: each loops over many work items, so both Q
+    buffers, both K/V stages and every mbarrier go through many phases, items without keys (a zero-token
+    sequence, rows outside any range) are interleaved with long ones, and the consumers' turns carry
+    across items. Ragged lengths, a past, a window on one call."""
+    monkeypatch.setattr(gc, "OPTIONS", cupa.Options(_tuning=_Tuning(prefill_ws_ctas=ctas)))
+    inputs, attrs = gc.build(rng, q_lens=[300, 0, 129, 1, 517], past=[0, 40, 1000, 7, 260], H=8, Hk=2, D=128,
+                             block_size=16)
+    check_wgmma(cp, inputs, attrs)
+    inputs, attrs = gc.build(rng, q_lens=[200, 333], past=[150, 0], H=16, Hk=2, D=128, block_size=1,
+                             dtype="bfloat16", window=70)
+    check_wgmma(cp, inputs, attrs, dtype="bfloat16")
 
-    monkeypatch.delenv(prefill_wgmma.ENV_VAR)
+
+@pytest.mark.parametrize("block_size", [1, 8, 24, 48, 64, 512])
+@pytest.mark.parametrize("table", ["shuffled", "unmapped"])
+def test_tma_boxes_and_masked_rows(cp, rng, wgmma_on, block_size, table):
+    """Block sizes whose TMA boxes are 8 (8, 24), 16 (48) and 32 rows (64, 512) or none (1); evicted and
+    out-of-range blocks (boxes from past the tensor: zeros); NaN in every cache row no sequence reads,
+    so a masked row gathered into a tile (a sequence's last block, a box of masked keys) would show."""
+    inputs, attrs = gc.build(rng, q_lens=[70, 0, 130, 9], past=[40, 5, 300, 0], H=8, Hk=2, D=128,
+                             block_size=block_size, block_table=table)
+    assert gc.poison_unused_cache_rows(inputs, block_size) > 0
+    check_wgmma(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("window", [33, 100])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_tma_windows_start_inside_a_box(cp, rng, wgmma_on, window, block_size):
+    """Sliding windows: an item's first admitted key is rarely on a box boundary, so its tiles start on
+    one below it and the keys in between are masked (the straddling boxes gathered by cp.async)."""
+    inputs, attrs = gc.build(rng, q_lens=[150, 61], past=[333, 17], H=8, Hk=2, D=128, block_size=block_size,
+                             window=window)
+    assert gc.poison_unused_cache_rows(inputs, block_size, window=window) > 200  # (rows before the windows too)
+    check_wgmma(cp, inputs, attrs)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_tma_reads_through_the_tensor_maps(cp, rng, monkeypatch, block_size):
+    """The TMA feed really runs: with the value cache's tensor map pointed at a negated copy, the output
+    moves far from the reference; with Options(tma=False) the same substitution changes nothing (no
+    maps are used) and the output matches the reference."""
+    from cupa.kernels import tma
+
+    inputs, attrs = gc.build(rng, q_lens=[64, 40], past=[512, 300], H=8, Hk=2, D=128, block_size=block_size)
+    ref = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()},
+                               **attrs)
+    encode = tma.rows_map
+    for use_tma in (True, False):
+        named = gc.with_options(attrs, tma=use_tma)
+        dev = gc.to_device(cp, inputs)
+        shadow = -dev["value_cache"]
+        target = dev["value_cache"].data.ptr
+        monkeypatch.setattr(tma, "rows_map", lambda ptr, *a: encode(shadow.data.ptr if ptr == target else ptr, *a))
+        text = cupa.PagedAttention(**named).explain(**dev)
+        assert ("cache rows by TMA in boxes of" in text) == use_tma, text
+        out = cp.asnumpy(cupa.PagedAttention(**named)(**dev))
+        err = gc.rel_error(out, ref)
+        assert (err > 0.5) if use_tma else (err < gc.TOLERANCE["float16"]), (use_tma, err)
+
+
+# ---- dispatch on the device --------------------------------------------------------------------
+
+def test_explain_only_when_covered(cp, rng):
+    inputs, attrs = gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
+    named = gc.with_options(attrs, backend="prefill")
+    text = cupa.PagedAttention(**named).explain(**gc.to_device(cp, inputs))
+    assert "prefill: chosen" in text and "prefill_wgmma: not considered (options.backend='prefill')" in text, text
     text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
     assert "prefill_wgmma: chosen" in text and "prefill: eligible but not preferred" in text, text
     for kw, reason in ((dict(D=64), "head_size 64"), (dict(cache="int8"), "int8 cache"),
@@ -319,4 +365,3 @@ def test_explain_only_when_enabled_and_covered(cp, rng, monkeypatch):
     # decode-shaped calls stay with the decode backend
     inputs, attrs = gc.build(rng, q_lens=[1, 1], past=[10, 10], H=8, Hk=2, D=128)
     assert chosen_backend(cp, inputs, attrs) == "decode"
-    api._bound_op.cache_clear()

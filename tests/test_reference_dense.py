@@ -1,6 +1,6 @@
 """The NumPy reference against an independent brute-force dense attention (tests/util.py).
 
-Every feature of SPEC sections 1-4 appears in the matrix; outputs are compared to within one ulp of
+Every feature of contract §1-§4 appears in the matrix; outputs are compared to within one ulp of
 T (both sides compute in float64), output_qk to float32 rounding, and the written caches byte for
 byte (with a tiny allowance for rounding-boundary coincidences between two float64 computations).
 """
@@ -385,7 +385,8 @@ def test_deterministic(rng):
 def test_backend_object(rng):
     case = util.make_case(rng)
     op = cupa.PagedAttention(**case.attrs)
-    problem, backend, _ = op.plan(**{k: v for k, v in case.inputs.items() if v is not None})
+    plan = op.plan(**{k: v for k, v in case.inputs.items() if v is not None})
+    problem, backend = plan.problem, plan.backend
     assert backend is reference.BACKEND and backend.name == "reference"
     assert backend.not_supported_reasons(problem) == [] and backend.preferred(problem)
     assert "reference" in backend.describe(problem).lower() or "numpy" in backend.describe(problem).lower()

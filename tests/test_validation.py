@@ -1,4 +1,4 @@
-"""Negative tests: one test per validation rule (seed section 15 / 17.5, SPEC sections 1-5).
+"""Negative tests: one test per validation rule (seed section 15 / 17.5, contract §1-§5).
 
 Every test asserts the message, not just the failure: the offending input or attribute comes
 first ("<name>: got <...>; expected <...>"), followed by a distinctive part of what it got and
@@ -108,10 +108,10 @@ _STUB_BACKEND = object()
 def check(request, monkeypatch):
     """``check(attrs, infos, metadata=None, **more_attrs) -> Problem`` through one of the two paths."""
 
-    def no_backend(problem, inputs, options=None):   # validation passed: stand in for any backend
-        return _STUB_BACKEND
+    def no_backend(problem, inputs, options):   # validation passed: stand in for any backend
+        return dispatch.Plan(problem, _STUB_BACKEND, None, options)
 
-    monkeypatch.setattr(dispatch, "select_backend", no_backend)
+    monkeypatch.setattr(dispatch, "make_plan", no_backend)
 
     def run(attrs, infos, metadata=None, options=None, **more_attrs):
         attrs = {**attrs, **more_attrs}
@@ -120,7 +120,8 @@ def check(request, monkeypatch):
             return validate(Attributes(**attrs), infos, metadata_values(metadata), output_qk_max_bytes=limit)
         op = PagedAttention(**attrs, options=options)
         arrays = {name: _array(info) for name, info in infos.items() if info is not None}
-        problem, backend, inputs = op.plan(**arrays, attention_metadata=metadata)
+        plan = op.plan(**arrays, attention_metadata=metadata)
+        problem, backend = plan.problem, plan.backend
         assert backend is _STUB_BACKEND
         return problem
 
@@ -226,7 +227,7 @@ def test_valid_string_attributes_as_bytes():
 
 
 # ---------------------------------------------------------------------------------------------
-# attributes (SPEC section 3)
+# attributes (contract §3)
 
 def test_num_heads_required():
     with raises("num_heads", "None (absent)", "; expected an integer >= 1", "required attribute"):
@@ -363,7 +364,7 @@ def test_input_given_as_attribute():
 
 
 # ---------------------------------------------------------------------------------------------
-# binding inputs (SPEC section 5)
+# binding inputs (contract §5)
 
 def _op_and_arrays(attrs_infos=None):
     attrs, infos = attrs_infos or separate()
@@ -603,7 +604,7 @@ def test_value_cache_dtype(check):
 
 
 def test_float_cache_with_other_float_query(check):
-    """A float16 cache with a bfloat16 query is an error (SPEC 1)."""
+    """A float16 cache with a bfloat16 query is an error (contract §1)."""
     attrs, infos = separate("bfloat16", key_cache=A((NB, BS, HK, D), "float16"),
                             value_cache=A((NB, BS, HK, D), "float16"))
     with raises("key_cache", "dtype float16", "; expected the query's dtype bfloat16",
@@ -959,10 +960,11 @@ def test_output_qk_size_uses_metadata_bound(check):
 # the memo in PagedAttention never hides a violation
 
 def test_memoized_plan_still_validates(monkeypatch):
-    monkeypatch.setattr(dispatch, "select_backend", lambda problem, inputs, options=None: _STUB_BACKEND)
+    monkeypatch.setattr(dispatch, "make_plan", lambda problem, inputs, options: dispatch.Plan(problem, _STUB_BACKEND,
+                                                                                           None, options))
     op, arrs = _op_and_arrays()
-    p1 = op.plan(**arrs)[0]
-    assert op.plan(**arrs)[0] is p1                    # same shapes: the memoized Problem
+    p1 = op.plan(**arrs).problem
+    assert op.plan(**arrs).problem is p1                    # same shapes: the memoized Problem
     arrs["past_seqlens"] = arrs["past_seqlens"].astype(np.int64)
     with raises("past_seqlens", "dtype int64", "; expected dtype int32"):
         op.plan(**arrs)

@@ -1,6 +1,6 @@
 """The paged flash-decoding backend: prologue, split-KV attention over pages with an fp32 merge of the splits.
 
-Split layout (SPEC 4.5): keys are cut at absolute positions that are multiples of ``chunk``,
+Split layout (contract §4.5): keys are cut at absolute positions that are multiples of ``chunk``,
 a value drawn only from static sizes (block_table capacity, token and head counts, the SM
 count), never from attention_metadata. The bound only decides how many trailing splits are
 launched, so absent, tight and loose bounds give bit-identical results; a launched split with
@@ -10,23 +10,19 @@ no admitted key exits after reading its token's lengths.
 from __future__ import annotations
 
 import math
-import os
 
 from .. import jit
 from ..contract import Problem
+from ..device import DeviceInfo
+from ..options import Options
 from . import launch, registry, types
+from .backend import CudaBackend
 from .launch import POINTER
 from .prologue import POINTER_INPUTS, prologue_launcher, q_passthrough
 from .types import f32, i32
 
 DECODE_THREADS = 128
 MIN_CHUNK = 256
-# CTAs per SM the split plan aims for over the static capacity (a tuning knob for benchmarks).
-CTAS_PER_SM_TARGET = int(os.environ.get("CUPA_DECODE_CTAS_PER_SM", "2"))
-
-
-# CTAs per SM of the tensor-core kernel on 8-bit caches: 4 (3 stages, 128 registers) or 3 (4 stages).
-MMA8_CTAS = int(os.environ.get("CUPA_DECODE_MMA8_CTAS", "4"))
 MMA_ROWS = 16  # query heads per tensor-core CTA (the m16n8k16 tile's rows)
 MMA_HEAD_SIZES = (64, 128)
 MMA_MAX_ROWS = (1 << 32) - 1  # cache rows the tensor-core kernel can index (decode_mma.cu NO_ROW)
@@ -42,20 +38,18 @@ def uses_mma(problem: Problem) -> bool:
     return problem.dtype in ("float16", "bfloat16") and problem.head_size in MMA_HEAD_SIZES and rows < MMA_MAX_ROWS
 
 
-#: "0" turns off the keys-as-M loop of the tensor-core kernel for 8-bit caches (CUPA_MMA8_T in decode_mma.cu)
-MMA8_T_ENV = "CUPA_DECODE_MMA8_T"
-MMA8_T_HEADS = 8  # query heads per CTA of that loop (one n-tile)
+KEYS_AS_M_HEADS = 8  # query heads per CTA of the 8-bit keys-as-M loop (one n-tile)
 
 
-def uses_mma8_t(problem: Problem) -> bool:
+def uses_keys_as_m(problem: Problem, options: Options) -> bool:
     """The 8-bit tensor-core loop with keys as the MMA's M dimension: GQA groups of at most 8 heads."""
-    return (os.environ.get(MMA8_T_ENV, "") != "0" and uses_mma(problem) and problem.quantized
-            and problem.group_size <= MMA8_T_HEADS)
+    return (options._tuning.decode_keys_as_m and uses_mma(problem) and problem.quantized
+            and problem.group_size <= KEYS_AS_M_HEADS)
 
 
-def heads_per_cta(problem: Problem) -> int:
+def heads_per_cta(problem: Problem, options: Options) -> int:
     if uses_mma(problem):
-        return MMA8_T_HEADS if uses_mma8_t(problem) else MMA_ROWS
+        return KEYS_AS_M_HEADS if uses_keys_as_m(problem, options) else MMA_ROWS
     return types.head_chunk(problem.group_size)
 
 
@@ -63,68 +57,71 @@ def mma_shared_bytes(problem: Problem) -> int:
     """Dynamic shared memory of paged_decode_mma (mirrors MmaDecodeSmem in decode_mma.cu)."""
     D, quant = problem.head_size, problem.quantized
     code = 1 if quant else 2
-    stages = 4 if quant and MMA8_CTAS < 4 else 3
+    stages = 3
     q_bytes = MMA_ROWS * D * 2
     loop = q_bytes + stages * 2 * 64 * D * code + (stages + 1) * 64 * 4
     combine = 4 * MMA_ROWS * (D + 4) * 4
     return max(loop, combine + q_bytes)
 
 
-def split_plan(problem: Problem, sm_count: int) -> tuple:
+def split_plan(problem: Problem, sm_count: int, options: Options) -> tuple:
     """(chunk, num_splits, heads_per_cta): chunk from static sizes only, splits from the bound."""
     p = problem
-    gt = heads_per_cta(p)
-    ctas = p.token_count * p.kv_num_heads * math.ceil(p.group_size / gt)
+    heads = heads_per_cta(p, options)
+    ctas = p.token_count * p.kv_num_heads * math.ceil(p.group_size / heads)
     cap = p.static_kv_capacity
     # A power-of-two number of equal parts of the capacity keeps splits equal when lengths are too.
-    want = 1 << max(0, math.ceil(math.log2(max(1.0, CTAS_PER_SM_TARGET * sm_count / max(ctas, 1)))))
+    target = options._tuning.decode_ctas_per_sm
+    want = 1 << max(0, math.ceil(math.log2(max(1.0, target * sm_count / max(ctas, 1)))))
     chunk = max(MIN_CHUNK, -(-math.ceil(cap / want) // MIN_CHUNK) * MIN_CHUNK)
     num_splits = max(1, math.ceil(p.max_kv_len_bound / chunk))
-    return chunk, num_splits, gt
+    return chunk, num_splits, heads
 
 
-class DecodeBackend:
+class DecodeBackend(CudaBackend):
     name = "decode"
 
-    def not_supported_reasons(self, problem: Problem) -> list:
-        p, reasons = problem, []
-        if p.latent:
-            reasons.append("kv_cache_layout='LATENT' (MLA) is not served by a CUDA backend yet")
-        if p.has_bias:
-            reasons.append("attention_bias is not served by a CUDA backend yet")
-        if p.attrs.qk_output:
-            reasons.append("output_qk (qk_output != 0) is not served by a CUDA backend yet")
-        if p.attrs.return_lse:
-            reasons.append("return_lse is not served by this backend yet")
-        if p.head_size > 256:
-            reasons.append(f"head_size {p.head_size} > 256")
+    def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
+        reasons = []
+        if problem.head_size > 256:
+            reasons.append(f"head_size {problem.head_size} > 256")
         return reasons
 
-    def preferred(self, problem: Problem) -> bool:
+    def preferred(self, problem: Problem, device: DeviceInfo, options: Options) -> bool:
         # Seed 4.7: token_count <= batch_size comes here (prefill is tried first and declines those);
         # calls prefill cannot serve (fp32, odd head sizes) come here too: this kernel is exact for any input.
         return True
 
-    def describe(self, problem: Problem) -> str:
-        chunk, splits, gt = split_plan(problem, launch.sm_count_hint())
+    def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
+        chunk, splits, heads = split_plan(problem, device.sm_count, options)
         engine = "tensor cores (mma.sync m16n8k16)" if uses_mma(problem) else "CUDA cores"
-        if uses_mma8_t(problem):
+        if uses_keys_as_m(problem, options):
             engine += ", keys as M"
-        return (f"paged flash-decoding on {engine}: one CTA per (token, KV head, {gt}-head chunk, split); "
+        return (f"paged flash-decoding on {engine}: one CTA per (token, KV head, {heads}-head chunk, split); "
                 f"{splits} split(s) of {chunk} key positions; fused prologue first")
 
-    def run(self, problem: Problem, inputs: dict, out=None, stream=None):
-        p = problem
+    def specializations(self) -> list:
+        specs = []
+        for dtype in types.ACT_CXX:
+            for kind in types.CACHE_CXX:
+                specs.append(registry.prologue_spec(dtype, kind))
+                specs.extend(registry.decode_spec(dtype, kind, heads) for heads in types.HEAD_CHUNKS)
+        for dtype in ("float16", "bfloat16"):
+            for kind in types.CACHE_CXX:
+                specs.extend(registry.decode_mma_spec(dtype, kind, d) for d in MMA_HEAD_SIZES)
+                if kind != "T":
+                    specs.extend(registry.decode_mma_spec(dtype, kind, d, keys_as_m=True) for d in MMA_HEAD_SIZES)
+        return specs
+
+    def run(self, plan, inputs: dict, out=None, stream=None):
+        p = plan.problem
         call = launch.prepare(p, inputs, out, stream)
         if p.token_count == 0:
             return call.finish()
-        recipes = p.__dict__.get(_RECIPES)
-        if recipes is None:
-            recipes = launch.problem_memo(p, _RECIPES)
-        r = recipes.get(call.device_id)
+        r = plan.state.get("recipe")
         with call:
             if r is None:
-                r = recipes[call.device_id] = self._recipe(p, call)
+                r = plan.state["recipe"] = self._recipe(plan, call)
             # Q workspace (unless the kernel reads `query` itself) and split partials: one allocation, held
             # (by `ws`) until the launches are enqueued, and by a capture for the graph's life.
             ws = launch.workspace(r.nbytes) if r.nbytes else None
@@ -136,17 +133,18 @@ class DecodeBackend:
             r.launches(ptrs, call.stream.ptr)
         return call.finish()
 
-    def _recipe(self, p: Problem, call) -> "_Recipe":
-        """Everything about the launches of ``p`` on the call's device that does not change per call.
+    def _recipe(self, plan, call) -> "_Recipe":
+        """Everything about the launches of a plan that does not change per call.
 
-        Built once per (problem object, device), with the device current (kernels are per device).
+        Built once per plan, with the call's device current (kernels are per device).
         """
+        p, device, options = plan.problem, plan.device, plan.options
         a = p.attrs
-        chunk, num_splits, gt = split_plan(p, call.sm_count)
-        head_chunks = math.ceil(p.group_size / gt)
+        chunk, num_splits, heads = split_plan(p, device.sm_count, options)
+        head_chunks = math.ceil(p.group_size / heads)
         r = _Recipe()
         counters_per_token = p.kv_num_heads * head_chunks if num_splits > 1 else 0
-        prologue = prologue_launcher(p, counters_per_token)
+        prologue = prologue_launcher(p, device, options, counters_per_token)
         passthrough = q_passthrough(p)  # the decode kernel reads `query` itself: no Q workspace
         q_bytes = 0 if passthrough else p.token_count * p.num_heads * p.head_size * call.dev["query"].dtype.itemsize
         r.nbytes = launch.align(q_bytes)
@@ -165,21 +163,19 @@ class DecodeBackend:
             i32(types.QUANT_CODE[p.v_quant]), i32(passthrough))
         grid = (p.token_count, p.kv_num_heads * head_chunks, num_splits)
         if uses_mma(p):
-            spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size, keys_as_m=uses_mma8_t(p))
-            if p.quantized and MMA8_CTAS != 4:
-                spec = jit.Specialization(spec.family, spec.name_expression,
-                                          spec.options + (f"-DCUPA_MMA8_CTAS={MMA8_CTAS}",))
+            spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size, keys_as_m=uses_keys_as_m(p, options))
             kernel = jit.get_kernel(spec)
             shared = mma_shared_bytes(p)
             launch.ensure_shared_memory(kernel, shared)
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + tail, shared_mem=shared)
         else:
-            kernel = jit.get_kernel(registry.decode_spec(p.dtype, p.cache_kind, gt))
+            kernel = jit.get_kernel(registry.decode_spec(p.dtype, p.cache_kind, heads))
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + (i32(p.head_size),) + tail)
         r.split = num_splits > 1
         decode_pointers = ((_I["query"],) + _DECODE_POINTERS[1:]) if passthrough else _DECODE_POINTERS
         # The decode kernel waits for the prologue in every CTA (grid_dependency_wait): programmatic launch.
-        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (decode, decode_pointers, True)], _NPOINTERS)
+        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (decode, decode_pointers, True)], _NPOINTERS,
+                                     route=options.launch, pdl=launch.pdl_allowed(device, options))
         return r
 
 
@@ -201,7 +197,6 @@ _PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS, _COUNTERS)
 _DECODE_POINTERS = (_Q_WS, _I["key_cache"], _I["value_cache"], _I["cumulative_sequence_length"],
                     _I["past_seqlens"], _I["block_table"], _I["query_positions"], _I["head_sink"], _I["k_scale"],
                     _I["v_scale"], _OUT, _PART_O, _PART_ML, _COUNTERS)
-_RECIPES = "_cupa_decode_recipes"
 
 
 BACKEND = DecodeBackend()

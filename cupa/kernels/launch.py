@@ -1,132 +1,71 @@
-"""What every CUDA backend does around its kernels: device inputs, stream, output, workspaces, launches.
+"""What every CUDA backend does around its kernels: device inputs, stream, outputs, workspaces, launches.
 
 Host time per call is most of the cost of a small decode step, so the steady state is kept short:
 
-- :class:`Call` takes the all-CuPy case without the general machinery of :mod:`cupa.arrays`, reads every
-  input's device pointer once (``Call.ptrs``), and enters the device or the stream only when they are
-  not already current.
-- :class:`Launcher` is one kernel launch built once per (problem, device): the kernel, grid, block,
-  shared memory and the scalar arguments (NumPy ``int32``/``float32``). A :class:`Sequence` of them
-  (prologue, then decode) writes the scalars once into a per-thread buffer of 8-byte slots; a call
-  writes only the pointers (one ``struct.pack_into``) and launches each kernel with
-  ``cuLaunchKernel``, whose ``kernelParams`` is an array of pointers to each parameter's bytes (8 for
-  a pointer, 4 for an ``int``/``float``): no C struct layout is involved. The driver copies the
-  parameters before ``cuLaunchKernel`` returns (a graph capture copies them into the kernel node),
-  so the buffer is reused by the next call; each thread has its own.
+- :class:`Call` takes the all-CuPy and all-torch cases through :func:`cupa.arrays.fast_pointers`
+  (no general machinery), reads every input's device pointer once (``Call.ptrs``), allocates the
+  outputs (``output``; ``output_qk`` and ``lse`` when the call asks for them) in the library of
+  ``query``, and enters the device or the stream only when they are not already current.
+- :class:`Launcher` is one kernel launch built once per plan: the kernel, grid, block, shared memory
+  and the scalar arguments (NumPy ``int32``/``float32``). A :class:`Sequence` of them (prologue, then
+  attention) writes the scalars once into a per-thread buffer of 8-byte slots; a call writes only the
+  pointers (one ``struct.pack_into``) and launches each kernel with ``cuLaunchKernel``, whose
+  ``kernelParams`` is an array of pointers to each parameter's bytes (8 for a pointer, 4 for an
+  ``int``/``float``): no C struct layout is involved. The driver copies the parameters before
+  ``cuLaunchKernel`` returns (a graph capture copies them into the kernel node), so the buffer is
+  reused by the next call; each thread has its own.
 - :func:`workspace` makes one allocation for all of a call's workspaces.
 - A step of a :class:`Sequence` marked *programmatic* (the attention kernel after the prologue) is
-  launched with programmatic dependent launch on compute capability 9.0+ (``cuLaunchKernelEx`` with
-  ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, through ctypes: CuPy has no binding):
-  its CTAs are scheduled while the previous kernel runs (that kernel executes
-  ``griddepcontrol.launch_dependents``) and run their preamble (token lookup, block-table reads)
-  until ``griddepcontrol.wait``, which a CTA executes before reading anything the previous kernel
-  writes; at least one CTA of the grid executes it (so the grid never completes ahead of the previous
-  kernel). ``CUPA_PDL=0`` launches every step the plain way.
+  launched with programmatic dependent launch when the Sequence is built with ``pdl=True``
+  (:func:`pdl_allowed`: ``Options.programmatic_launch`` on compute capability 9.0+;
+  ``cuLaunchKernelEx``, :mod:`cupa.kernels.driver`): its CTAs are scheduled while the previous kernel
+  runs (that kernel executes ``griddepcontrol.launch_dependents``) and run their preamble (token
+  lookup, block-table reads) until ``griddepcontrol.wait``, which a CTA executes before reading
+  anything the previous kernel writes; at least one CTA of the grid executes it (so the grid never
+  completes ahead of the previous kernel).
 
-``CUPA_LAUNCH=rawkernel`` (or :func:`set_mode`) launches through ``cupy.RawKernel.__call__`` instead,
-with the same argument values: the reference route for A/B comparisons.
+``Options(launch="rawkernel")`` launches through ``cupy.RawKernel.__call__`` instead, with the same
+argument values: the reference route for A/B comparisons.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import operator
-import os
+import math
 import struct
 import threading
-import warnings
 
 import numpy as np
 
-from .. import arrays, graphs
+from .. import _capture, arrays
 from ..contract import INPUT_NAMES, Problem
 from ..errors import fail
+from . import driver
 
 _TENSORS = tuple(n for n in INPUT_NAMES if n != "attention_metadata")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: index of each tensor input in :attr:`Call.ptrs`
 PTR_INDEX = {name: i for i, name in enumerate(_TENSORS)}
-# Inputs read with 16-byte vector loads (SPEC: head_size % 8 == 0 keeps rows aligned).
+# Inputs read with 16-byte vector loads (contract: head_size % 8 == 0 keeps rows aligned).
 _VECTOR_READ = ("query", "key", "value", "key_cache", "value_cache")
 _VECTOR_READ_INDEX = tuple(PTR_INDEX[n] for n in _VECTOR_READ)
 if _VECTOR_READ_INDEX != (0, 1, 2, 3, 4):  # Call checks ptrs[0..4] with one expression
     raise ImportError("cupa.kernels.launch: the vector-read inputs must be the first five inputs")
-_GET_TENSORS = operator.itemgetter(*_TENSORS)
 
-# -- launch route ------------------------------------------------------------------------------------
-
-LAUNCH_MODES = ("fast", "rawkernel")
-
-
-def _mode_from_env(value) -> str:
-    if value is None or value == "":
-        return "fast"
-    if value not in LAUNCH_MODES:
-        warnings.warn(f"CUPA_LAUNCH={value!r} is not one of {LAUNCH_MODES}; using 'fast'", RuntimeWarning,
-                      stacklevel=2)
-        return "fast"
-    return value
-
-
-#: "fast" (cuLaunchKernel with a prebuilt parameter array) or "rawkernel" (cupy.RawKernel.__call__)
-MODE = _mode_from_env(os.environ.get("CUPA_LAUNCH"))
-_FAST = MODE == "fast"
-
-
-def set_mode(mode: str) -> None:
-    """Select the launch route for later calls (tests and benchmarks; the default comes from CUPA_LAUNCH)."""
-    global MODE, _FAST
-    if mode not in LAUNCH_MODES:
-        raise ValueError(f"launch mode: got {mode!r}; expected one of {LAUNCH_MODES}")
-    MODE, _FAST = mode, mode == "fast"
-
+#: Launch routes (``Options.launch``).
+LAUNCH_ROUTES = ("fast", "rawkernel")
 
 _cupy = None
 
 # -- programmatic dependent launch ----------------------------------------------------------------------
 
-PDL_ENV = "CUPA_PDL"
-_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h, CUlaunchAttributeID
-
-
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8 bytes, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
-
-
-@functools.lru_cache(maxsize=None)
-def _cu_launch_kernel_ex():
-    """The driver's ``cuLaunchKernelEx`` through ctypes, or None where the driver has none."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_id: int) -> int:
-    cc = _cp().cuda.Device(device_id).compute_capability  # "90"
-    return int(cc)
-
-
-def pdl_enabled(device_id: int) -> bool:
-    """Whether programmatic steps launch with programmatic dependent launch on this device."""
-    if os.environ.get(PDL_ENV, "") == "0" or not _FAST:
-        return False
-    try:
-        return _capability(device_id) >= 90 and _cu_launch_kernel_ex() is not None
-    except Exception:  # a fake or partial CuPy, no driver
-        return False
+def pdl_allowed(device, options) -> bool:
+    """Whether programmatic steps launch with programmatic dependent launch for these Options on ``device``
+    (a :class:`cupa.device.DeviceInfo`): the fast route, ``programmatic_launch``, compute capability 9.0+
+    and a driver with ``cuLaunchKernelEx``."""
+    return (options.launch == "fast" and options.programmatic_launch and device.capability >= (9, 0)
+            and driver.launch_kernel_ex() is not None)
 
 
 def _compiled_for_pdl(kernel) -> bool:
@@ -137,28 +76,6 @@ def _compiled_for_pdl(kernel) -> bool:
         return int(kernel.attributes["ptx_version"]) >= 90
     except Exception:
         return False
-
-
-def _pdl_launch(launcher, table_ptr: int):
-    """``launch(stream_ptr, table, extra)`` for one programmatic launch of ``launcher``."""
-    ex = _cu_launch_kernel_ex()
-    attr = _LaunchAttribute()
-    attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value[0] = 1  # programmaticStreamSerializationAllowed
-    cfg = _LaunchConfig(*launcher.grid, *launcher.block, launcher.shared_mem, None, ctypes.pointer(attr), 1)
-    cfg_ptr = ctypes.addressof(cfg)
-    func = launcher.kernel.kernel.ptr
-    check = getattr(_cp().cuda.driver, "check_status", None)
-
-    def launch(stream_ptr, table, extra, cfg=cfg, attr=attr):  # cfg/attr: kept alive with the closure
-        cfg.hStream = stream_ptr
-        status = ex(cfg_ptr, func, table, None)
-        if status:
-            if check is not None:
-                check(status)
-            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
-
-    return launch
 
 
 def _cp():
@@ -172,35 +89,15 @@ def _cp():
 
 def _reset_module_cache() -> None:
     """Forget the imported CuPy module (tests swap in a fake one)."""
-    global _cupy, CUPY_NDARRAY
-    _cupy = CUPY_NDARRAY = None
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_id: int) -> int:
-    return _cp().cuda.Device(device_id).attributes["MultiProcessorCount"]
-
-
-def current_device_hint():
-    """The current CuPy device's id (for explain()), or None where none is usable."""
-    try:
-        return _cp().cuda.runtime.getDevice()
-    except Exception:
-        return None
-
-
-def sm_count_hint() -> int:
-    """SM count of the current device (for explain()); 132 (H200) when none is usable."""
-    try:
-        return sm_count(_cp().cuda.runtime.getDevice())
-    except Exception:
-        return 132
+    global _cupy
+    _cupy = None
+    arrays.reset_fast_types()
 
 
 # -- one call ------------------------------------------------------------------------------------------
 
 class Call:
-    """Device views of one call's inputs, its stream and output.
+    """Device views of one call's inputs, its stream and outputs.
 
     Attributes
     ----------
@@ -215,11 +112,15 @@ class Call:
         The output (a view of the user's ``out`` when given; built on first use for a torch ``out``).
     output_ptr : int
         The output's device pointer.
+    qk_ptr, lse_ptr : int
+        Device pointers of ``output_qk`` (H, N, kv_capacity) float32 and ``lse`` (N, H) float32 when the
+        call asks for them (``qk_output != 0``, ``return_lse``), else 0. Their content is the kernels' to write.
 
-    Two fast cases skip :func:`arrays.device_arrays`: every present input a C-contiguous
-    ``cupy.ndarray`` on one device, and every present input a contiguous CUDA ``torch.Tensor`` on
-    one device with ``stream=None`` (the call runs on PyTorch's current stream; pointers come from
-    ``data_ptr()``, and no CuPy view is made unless a backend asks for ``dev`` or ``output``).
+    Two fast cases skip :func:`arrays.device_arrays` (see :func:`arrays.fast_pointers`): every present
+    input a C-contiguous ``cupy.ndarray`` on one device, and every present input a contiguous CUDA
+    ``torch.Tensor`` on one device with ``stream=None`` (the call runs on PyTorch's current stream;
+    pointers come from ``data_ptr()``, and no CuPy view is made unless a backend asks for ``dev`` or
+    ``output``).
     """
 
     def __init__(self, problem: Problem, inputs: dict, out, stream):
@@ -227,63 +128,71 @@ class Call:
         self.cupy = cupy
         self.problem = problem
         query = self.query = inputs["query"]
-        nd = cupy.ndarray
         cuda = cupy.cuda
         current = cuda.get_current_stream()
-        fast = None
-        self._lazy = None    # "cupy" / "torch": dev (and, for torch, output) made on first use
         self._out = out
-        qtype = type(query)
-        if qtype is nd:
+        fast = arrays.fast_pointers(inputs, stream is None)
+        if fast is not None and fast[0] == "cupy":
             self.stream = current if stream is None else arrays.resolve_stream(stream, query)
-            if nd is CUPY_NDARRAY or _has_contiguity_attr(nd):
-                fast = _cupy_inputs(nd, inputs)
-                if fast is not None:
-                    self._lazy = "cupy"
         else:
-            if stream is None and (qtype is TORCH_TENSOR or _is_torch_tensor_type(qtype)):
-                fast = _torch_inputs(qtype, inputs)
-                if fast is not None:
-                    self._lazy = "torch"
             self.stream = arrays.resolve_stream(stream, query)
         if fast is None:  # other libraries, several devices, a violation: the general path (and its errors)
             dev, device_id = arrays.device_arrays({n: inputs[n] for n in _TENSORS}, self.stream)
             self._dev = dev
+            self._lazy = None
             ptrs = [0 if dev[n] is None else dev[n].data.ptr for n in _TENSORS]
         else:
             self._dev = None  # built on first use from inputs
             self._inputs = inputs
-            device_id, ptrs = fast
+            self._lazy, device_id, ptrs = fast
         self._all_cupy = self._lazy == "cupy"
         self.device_id, self.ptrs = device_id, ptrs
         if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15:
             for i in _VECTOR_READ_INDEX:
                 if ptrs[i] % 16:
                     raise fail(_TENSORS[i], f"a device pointer at {ptrs[i]:#x}", "16-byte alignment (vector loads)")
+        nbytes = problem.input_nbytes
+        if not problem.latent:
+            n, k, v = nbytes["key_cache"], ptrs[3], ptrs[4]
+            if n and k < v + n and v < k + n:
+                arrays.check_disjoint(nbytes, lambda name: ptrs[PTR_INDEX[name]])
         self._device = None
         set_device = self._set_device = cuda.runtime.getDevice() != device_id
         # Another device: its own current stream; enter both. Same device: enter the stream if not current.
         self._set_stream = set_device or self.stream.ptr != current.ptr
         self._output = None
+        shape = problem.output_shape
         if out is None:
-            with self:
-                if self._all_cupy:
-                    output = cupy.empty(problem.output_shape, dtype=query.dtype)
-                else:
-                    output = arrays.empty_output(problem.output_shape, problem.dtype, query, device_id)
-            if graphs._active:
-                graphs.keep_alive(output)  # a captured graph writes it at every replay
+            output = self._new(shape, problem.dtype)
             self._output, self.output_ptr = output, output.data.ptr
-        elif (self._all_cupy and type(out) is nd and out._c_contiguous and out.dtype == query.dtype
-              and out.data.device_id == device_id and out.shape == _output_shape(problem)):
+        elif (self._all_cupy and type(out) is type(query) and out._c_contiguous and out.dtype == query.dtype
+              and out.data.device_id == device_id and out.shape == shape):
             self._output, self.output_ptr = out, out.data.ptr  # what arrays.check_out returns here
-        elif (self._lazy == "torch" and type(out) is qtype and out.is_cuda and out.is_contiguous()
-              and out.dtype == query.dtype and out.get_device() == device_id
-              and out.shape == _output_shape(problem)):
+        elif (self._lazy == "torch" and type(out) is type(query) and out.is_cuda and out.is_contiguous()
+              and out.dtype == query.dtype and out.get_device() == device_id and out.shape == shape):
             self.output_ptr = out.data_ptr()  # the CuPy view (output) is made only if a backend asks
         else:
-            self._output = arrays.check_out(out, problem.output_shape, problem.dtype, query, device_id)
+            self._output = arrays.check_out(out, shape, problem.dtype, query, device_id)
             self.output_ptr = self._output.data.ptr
+        if out is not None:
+            arrays.check_disjoint(nbytes, lambda name: ptrs[PTR_INDEX[name]], self.output_ptr,
+                                  math.prod(shape) * _ITEMSIZE[problem.dtype], layout_separate=False)
+        a = problem.attrs
+        self._qk = self._new(problem.output_qk_shape, "float32") if a.qk_output else None
+        self._lse = self._new(problem.lse_shape, "float32") if a.return_lse else None
+        self.qk_ptr = 0 if self._qk is None else self._qk.data.ptr
+        self.lse_ptr = 0 if self._lse is None else self._lse.data.ptr
+
+    def _new(self, shape: tuple, dtype: str):
+        """A new output of the call (CuPy view), allocated by the library of ``query`` on the call's device."""
+        with self:
+            if self._all_cupy:
+                arr = self.cupy.empty(shape, dtype=arrays.numpy_dtype(dtype))
+            else:
+                arr = arrays.empty_output(shape, dtype, self.query, self.device_id)
+        if _capture.ACTIVE[0]:
+            _capture.keep_alive(arr)  # a captured graph writes it at every replay
+        return arr
 
     @property
     def output(self):
@@ -292,6 +201,16 @@ class Call:
             self._output = arrays.check_out(self._out, self.problem.output_shape, self.problem.dtype, self.query,
                                             self.device_id)
         return self._output
+
+    @property
+    def output_qk(self):
+        """``output_qk`` as a CuPy array (None unless the call asks for it)."""
+        return self._qk
+
+    @property
+    def lse(self):
+        """``lse`` as a CuPy array (None unless the call asks for it)."""
+        return self._lse
 
     @property
     def dev(self) -> dict:
@@ -310,10 +229,6 @@ class Call:
             self._device = self.cupy.cuda.Device(self.device_id)
         return self._device
 
-    @property
-    def sm_count(self) -> int:
-        return sm_count(self.device_id)
-
     def __enter__(self):
         if self._set_device:
             self.device.__enter__()
@@ -328,99 +243,19 @@ class Call:
             self._device.__exit__(*exc)
 
     def finish(self):
-        """The output in the library of ``query`` (the user's ``out`` itself when given)."""
+        """The outputs in the library of ``query``: ``output`` (the user's ``out`` itself when given), then
+        ``output_qk`` and ``lse`` when the call asks for them, as a tuple in that order."""
         if self._all_cupy:
-            return self._output
-        if self._lazy == "torch" and self._out is not None:
-            return self._out  # on PyTorch's current stream already: nothing to order
-        return arrays.wrap_output(self.output, like=self.query, stream=self.stream)
-
-
-#: ``cupy.ndarray`` once a Call has found it to expose ``_c_contiguous`` (one identity test per call instead
-#: of a cached-function call), else None: before the first CUDA call, or after the CuPy module was swapped.
-CUPY_NDARRAY = None
-
-
-def _has_contiguity_attr(nd) -> bool:
-    """CuPy's ndarray exposes ``_c_contiguous`` (CuPy 14); without it, the general path checks flags."""
-    global CUPY_NDARRAY
-    if hasattr(nd, "_c_contiguous"):
-        CUPY_NDARRAY = nd
-        return True
-    return False
-
-
-_OUTPUT_SHAPE = "_cupa_output_shape"
-
-
-def _output_shape(problem: Problem) -> tuple:
-    """``problem.output_shape``, built once per Problem object (stored on it, like :func:`problem_memo`)."""
-    shape = problem.__dict__.get(_OUTPUT_SHAPE)
-    if shape is None:
-        shape = problem.output_shape
-        object.__setattr__(problem, _OUTPUT_SHAPE, shape)
-    return shape
-
-
-def _cupy_inputs(nd, inputs: dict):
-    """``(device_id, ptrs)`` when every present input is a C-contiguous ``cupy.ndarray`` on one device.
-
-    The common case of :func:`arrays.device_arrays` (which accepts such inputs as they are) without
-    its general machinery. Anything else -- another library, a subclass, a second device, a
-    non-contiguous array, no input at all -- returns None for the general path, which raises the errors.
-    """
-    ptrs = []
-    append = ptrs.append
-    device = -1
-    for x in _GET_TENSORS(inputs):
-        if x is None:
-            append(0)
-            continue
-        if type(x) is not nd or not x._c_contiguous:  # _c_contiguous: flags.c_contiguous without a Flags object
-            return None
-        mem = x.data
-        if mem.device_id != device:
-            if device != -1:
-                return None
-            device = mem.device_id
-        append(mem.ptr)
-    return None if device == -1 else (device, ptrs)
-
-
-#: ``torch.Tensor`` once a Call has seen one (an identity test per call), else None.
-TORCH_TENSOR = None
-
-
-def _is_torch_tensor_type(t) -> bool:
-    global TORCH_TENSOR
-    if t.__name__ == "Tensor" and t.__module__ == "torch":
-        TORCH_TENSOR = t
-        return True
-    return False
-
-
-def _torch_inputs(tensor_type, inputs: dict):
-    """``(device_id, ptrs)`` when every present input is a contiguous CUDA ``torch.Tensor`` (exactly that
-    type) on one device, else None (the general path, which raises the errors).
-
-    The loop of :func:`_cupy_inputs` with torch's attribute names, written out rather than shared
-    through per-tensor callbacks: it runs on every call, for every input."""
-    ptrs = []
-    append = ptrs.append
-    device = -1
-    for x in _GET_TENSORS(inputs):
-        if x is None:
-            append(0)
-            continue
-        if type(x) is not tensor_type or not x.is_cuda or not x.is_contiguous():
-            return None
-        d = x.get_device()
-        if d != device:
-            if device != -1:
-                return None
-            device = d
-        append(x.data_ptr())
-    return None if device == -1 else (device, ptrs)
+            output = self._output
+        elif self._lazy == "torch" and self._out is not None:
+            output = self._out  # on PyTorch's current stream already: nothing to order
+        else:
+            output = arrays.wrap_output(self.output, like=self.query, stream=self.stream)
+        if self._qk is None and self._lse is None:
+            return output
+        extra = tuple(x if self._all_cupy else arrays.wrap_output(x, like=self.query, stream=self.stream)
+                      for x in (self._qk, self._lse) if x is not None)
+        return (output, *extra)
 
 
 #: ``prepare(problem, inputs, out, stream) -> Call``: the :class:`Call` of one backend run (the class
@@ -453,11 +288,11 @@ def workspace(nbytes: int) -> Workspace:
     """``nbytes`` of device memory from CuPy's current allocator, on the current device and stream.
 
     Run it inside ``with call:`` (CuPy's pool hands a freed block back only on the stream it was
-    allocated on). Registered with :func:`cupa.graphs.keep_alive`, as every allocation of a call.
+    allocated on). Registered with :func:`cupa._capture.keep_alive`, as every allocation of a call.
     """
     ws = Workspace((_cupy or _cp()).cuda.alloc(nbytes), nbytes)
-    if graphs._active:   # what keep_alive() tests first, without the call when no capture is active
-        graphs.keep_alive(ws)
+    if _capture.ACTIVE[0]:   # what keep_alive() tests first, without the call when no capture is active
+        _capture.keep_alive(ws)
     return ws
 
 
@@ -563,6 +398,10 @@ class Sequence:
         CTA, so it may be launched with programmatic dependent launch (see the module docstring).
     npointers : int
         Length of the pointer list given at each launch.
+    route : {"fast", "rawkernel"}
+        ``Options.launch``.
+    pdl : bool
+        Launch the programmatic steps with programmatic dependent launch (:func:`pdl_allowed`).
 
     The fast route keeps, per thread, one buffer of 8-byte slots: the pointer list first (written at
     each launch with one ``struct.pack_into``), then every launcher's scalars (written once), then
@@ -571,9 +410,13 @@ class Sequence:
     parameters' slots (a pointer used by several kernels is one slot).
     """
 
-    __slots__ = ("steps", "programmatic", "npointers", "nmaps", "_pack", "_tls")
+    __slots__ = ("steps", "programmatic", "npointers", "nmaps", "fast", "pdl", "_pack", "_tls")
 
-    def __init__(self, steps, npointers: int):
+    def __init__(self, steps, npointers: int, route: str = "fast", pdl: bool = False):
+        if route not in LAUNCH_ROUTES:
+            raise ValueError(f"Sequence: route {route!r} is not one of {LAUNCH_ROUTES}")
+        self.fast = route == "fast"
+        self.pdl = bool(pdl) and self.fast
         self.steps = [(step[0], tuple(int(i) for i in step[1])) for step in steps]
         self.programmatic = tuple(len(step) > 2 and bool(step[2]) for step in steps)
         for launcher, indices in self.steps:
@@ -601,7 +444,7 @@ class Sequence:
         maps_at += -maps_at % 64  # (the driver copies each parameter's bytes; aligned like a CUtensorMap anyway)
         next_map = 0
         launches, tables = [], []
-        pdl = any(self.programmatic) and pdl_enabled(cp.cuda.runtime.getDevice())
+        check = getattr(cp.cuda.driver, "check_status", None)
         for (launcher, indices), programmatic in zip(self.steps, self.programmatic):
             table = np.zeros(max(1, len(launcher.args)), dtype=np.uint64)
             pointer = iter(indices)
@@ -616,8 +459,9 @@ class Sequence:
                     table[i] = base + 8 * slot
                     slot += 1
             tables.append(table)
-            if pdl and programmatic and _compiled_for_pdl(launcher.kernel):
-                fn = _pdl_launch(launcher, table.ctypes.data)
+            if self.pdl and programmatic and _compiled_for_pdl(launcher.kernel):
+                fn = driver.programmatic_launcher(launcher.kernel.kernel.ptr, launcher.grid, launcher.block,
+                                                  launcher.shared_mem, table.ctypes.data, check)
             else:
                 fn = functools.partial(cp.cuda.driver.launchKernel, launcher.kernel.kernel.ptr, *launcher.grid,
                                        *launcher.block, launcher.shared_mem)
@@ -631,7 +475,7 @@ class Sequence:
         128-byte ``bytes`` per :data:`TENSOR_MAP` argument, in order over the steps."""
         if len(maps) != self.nmaps:
             raise ValueError(f"Sequence: {self.nmaps} tensor maps expected, got {len(maps)}")
-        if _FAST:
+        if self.fast:
             try:
                 values, launches, _, maps_at = self._tls.buffers
             except AttributeError:
@@ -651,26 +495,6 @@ class Sequence:
                                 launcher.rawkernel_args([pointers[i] for i in indices], maps[first:first + k], keep),
                                 shared_mem=launcher.shared_mem)
                 first += k
-
-
-class _ProblemMemo(dict):
-    """Per-problem launch state; never copied into a pickle (it holds device handles)."""
-
-    def __reduce__(self):
-        return (_ProblemMemo, ())
-
-
-def problem_memo(problem: Problem, name: str) -> dict:
-    """A dict stored on ``problem`` itself (``name``: one per backend), for state built once per problem.
-
-    On the object rather than keyed by value: an equal Problem of another op builds its own (so a
-    kernel that is not compiled yet is still compiled, or refused inside a capture, where it is needed).
-    """
-    memo = problem.__dict__.get(name)
-    if memo is None:
-        memo = _ProblemMemo()
-        object.__setattr__(problem, name, memo)
-    return memo
 
 
 _SHARED_CONFIGURED: dict = {}

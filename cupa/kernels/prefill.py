@@ -16,14 +16,16 @@ not needed to size anything: results are the same bits with or without it.
 from __future__ import annotations
 
 import math
-import os
 
 from .. import jit
 from ..contract import Problem
+from ..device import DeviceInfo
 from ..errors import fail
+from ..options import Options
 from . import launch, registry, types
+from .backend import CudaBackend
 from .launch import POINTER
-from .prologue import POINTER_INPUTS, beside_sms, prologue_launcher, q_passthrough
+from .prologue import POINTER_INPUTS, prologue_launcher, q_passthrough
 from .types import f32, i32
 
 PREFILL_DTYPES = ("float16", "bfloat16")
@@ -71,18 +73,14 @@ def launch_plan(problem: Problem) -> dict:
             "keys": TILE_CONFIG[D][2], "stages": TILE_CONFIG[D][3]}
 
 
-#: "0" turns off reading the new tokens' K/V from ``key``/``value`` (:func:`kv_from_inputs`): an A/B switch.
-KV_INPUTS_ENV = "CUPA_PREFILL_KV_INPUTS"
-
-
-def kv_from_inputs(problem: Problem) -> bool:
+def kv_from_inputs(problem: Problem, options: Options) -> bool:
     """True when the prologue stores the new K/V rows unchanged at the positions past + j: ``key`` and
     ``value`` given apart, a T cache, no rotary, no QK-norm, derived slots, no ``query_positions``.
     The attention kernels then read the new positions from ``key``/``value`` (the same bits) and a
     CTA whose keys are all new -- every CTA of a prefill without a past -- runs alongside the
     prologue instead of waiting for it (NewKeys in cuda_src/prefill_tiles.cuh)."""
     p = problem
-    return (os.environ.get(KV_INPUTS_ENV, "") != "0" and q_passthrough(p) and not p.quantized and not p.latent
+    return (options.new_kv_from_inputs and q_passthrough(p) and not p.quantized and not p.latent
             and not p.has_slot_mapping and not p.has_query_positions)
 
 
@@ -90,7 +88,7 @@ def kv_from_inputs(problem: Problem) -> bool:
 BESIDE_MIN_TOKENS_PER_SM = 64
 
 
-def prologue_beside(problem: Problem, device_id=None) -> bool:
+def prologue_beside(problem: Problem, device: DeviceInfo, options: Options) -> bool:
     """Whether the prologue runs as a few fat CTAs beside the attention kernel (prologue_launcher's
     ``beside``): under :func:`kv_from_inputs` (so CTAs without a past never wait for it), with enough
     tokens for the copy to matter, and when attention_metadata's bounds say that no sequence has more
@@ -98,36 +96,28 @@ def prologue_beside(problem: Problem, device_id=None) -> bool:
     a past to speak of). Where CTAs read a past they wait for the prologue, which is then better spread
     over every SM (measured on the H200: B=8 x 512 new tokens over 8192 cached ones, 1.689 -> 1.695 ms
     beside on 40 SMs; B=4 x 2048 without a past, 498.9 -> 493 us). A launch choice only: the prologue
-    writes the same bytes either way. ``device_id``: also require programmatic launch on it."""
+    writes the same bytes either way. It needs programmatic launch on ``device``."""
     p = problem
-    static = (kv_from_inputs(p) and p.has_metadata and p.max_kv_len_bound <= p.max_query_len_bound
-              and p.token_count >= BESIDE_MIN_TOKENS_PER_SM * beside_sms())
-    return static and (device_id is None or launch.pdl_enabled(device_id))
+    sms = options._tuning.prologue_beside_sms
+    return (kv_from_inputs(p, options) and p.has_metadata and p.max_kv_len_bound <= p.max_query_len_bound
+            and p.token_count >= BESIDE_MIN_TOKENS_PER_SM * sms and launch.pdl_allowed(device, options))
 
 
-def prologue_phrase(problem: Problem) -> str:
+def prologue_phrase(problem: Problem, device: DeviceInfo, options: Options) -> str:
     """How the attention launch relates to the prologue, for explain()."""
-    if kv_from_inputs(problem):
-        where = (f", on {beside_sms()} SMs of its own" if prologue_beside(problem, launch.current_device_hint())
-                 else "")
+    if kv_from_inputs(problem, options):
+        where = (f", on {options._tuning.prologue_beside_sms} SMs of its own"
+                 if prologue_beside(problem, device, options) else "")
         return (f"fused prologue alongside{where} (new K/V read from key/value; only CTAs that read cached rows "
-                f"wait for the prologue; {KV_INPUTS_ENV}=0 turns this off)")
+                "wait for the prologue; Options(new_kv_from_inputs=False) turns this off)")
     return "fused prologue first"
 
 
-class PrefillBackend:
+class PrefillBackend(CudaBackend):
     name = "prefill"
 
-    def not_supported_reasons(self, problem: Problem) -> list:
+    def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         p, reasons = problem, []
-        if p.latent:
-            reasons.append("kv_cache_layout='LATENT' (MLA) is not served by the prefill backend yet")
-        if p.has_bias:
-            reasons.append("attention_bias is not served by the prefill backend yet")
-        if p.attrs.qk_output:
-            reasons.append("output_qk (qk_output != 0) is not served by the prefill backend yet")
-        if p.attrs.return_lse:
-            reasons.append("return_lse is not served by this backend yet")
         if p.dtype not in PREFILL_DTYPES:
             reasons.append(f"T={p.dtype}: the tensor-core prefill takes float16 or bfloat16")
         if p.head_size not in PREFILL_HEAD_SIZES:
@@ -136,34 +126,40 @@ class PrefillBackend:
             reasons.append(f"{launch_plan(p)['grid']} CTAs exceed one launch's grid ({MAX_GRID_X})")
         return reasons
 
-    def preferred(self, problem: Problem) -> bool:
+    def preferred(self, problem: Problem, device: DeviceInfo = None, options: Options = None) -> bool:
         # Seed 4.7's static rule: more tokens than sequences means some sequence has several.
         return problem.token_count > problem.batch_size
 
-    def describe(self, problem: Problem) -> str:
+    def specializations(self) -> list:
+        specs = []
+        for dtype in PREFILL_DTYPES:
+            specs.append(registry.prologue_spec(dtype, "T", token_loop=True))
+            for kind in types.CACHE_CXX:
+                specs.extend(registry.prefill_spec(dtype, kind, d) for d in PREFILL_HEAD_SIZES)
+        return specs
+
+    def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
         plan = launch_plan(problem)
         return (f"paged prefill on tensor cores (mma.sync m16n8k16): one CTA per (tile of {plan['rows']} "
                 f"(token, group head) rows of one sequence, KV head); {plan['num_tiles']} row tiles x "
                 f"{problem.kv_num_heads} KV heads + {plan['zero_ctas']} zero-pass CTA(s); keys in tiles of "
-                f"{plan['keys']} through a {plan['stages']}-stage cp.async pipeline; {prologue_phrase(problem)}; "
+                f"{plan['keys']} through a {plan['stages']}-stage cp.async pipeline; "
+                f"{prologue_phrase(problem, device, options)}; "
                 f"token_count ({problem.token_count}) {'>' if self.preferred(problem) else '<='} batch_size "
                 f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
 
-    def run(self, problem: Problem, inputs: dict, out=None, stream=None):
-        p = problem
+    def run(self, plan, inputs: dict, out=None, stream=None):
+        p = plan.problem
         call = launch.prepare(p, inputs, out, stream)
         if p.token_count == 0:
             return call.finish()
         if call.output_ptr % 16:
             raise fail("out", f"a device pointer at {call.output_ptr:#x}",
                        "16-byte alignment (the prefill kernel stores whole 16-byte chunks)")
-        recipes = p.__dict__.get(self._memo_name)
-        if recipes is None:
-            recipes = launch.problem_memo(p, self._memo_name)
-        r = recipes.get(call.device_id)
+        r = plan.state.get("recipe")
         with call:
             if r is None:
-                r = recipes[call.device_id] = self._recipe(p, call)
+                r = plan.state["recipe"] = self._recipe(plan, call)
             # The Q workspace (none when the kernel reads `query` itself), held by `ws` until the launches
             # are enqueued, and by a capture for the graph's life.
             ws = launch.workspace(r.q_bytes) if r.q_bytes else None
@@ -171,17 +167,17 @@ class PrefillBackend:
                        r.maps(call.ptrs) if r.maps is not None else ())
         return call.finish()
 
-    # The kernel, launch plan and shared memory of a call: the wgmma backend swaps these three.
+    # The kernel, launch plan and shared memory of a call: the wgmma backend swaps these.
     def _spec(self, p: Problem):
         return registry.prefill_spec(p.dtype, p.cache_kind, p.head_size)
 
-    def _plan(self, p: Problem) -> dict:
+    def _plan(self, p: Problem, device: DeviceInfo, options: Options) -> dict:
         return launch_plan(p)
 
     def _shared_bytes(self, p: Problem) -> int:
         return shared_bytes(p)
 
-    def _tail_args(self, p: Problem) -> tuple:
+    def _tail_args(self, p: Problem, options: Options) -> tuple:
         """Arguments the attention kernel takes after the common list (none here)."""
         return ()
 
@@ -190,17 +186,14 @@ class PrefillBackend:
         for the tail arguments ``tail`` (:meth:`_tail_args`, built once with them); None: it takes none."""
         return None
 
-    @property
-    def _memo_name(self) -> str:
-        return f"_cupa_{self.name}_recipes"
-
-    def _recipe(self, p: Problem, call) -> "_Recipe":
-        """The prologue and attention launches of ``p`` on the call's device (built once per problem
-        object and device, with the device current): the attention kernel waits for the prologue
-        (grid_dependency_wait) before it reads anything the prologue writes -- in every CTA, or under
-        :func:`kv_from_inputs` in CTA 0 and the CTAs that read cache rows -- so it is a programmatic step."""
+    def _recipe(self, plan_, call) -> "_Recipe":
+        """The prologue and attention launches of a plan (built once per plan, with the call's device
+        current): the attention kernel waits for the prologue (grid_dependency_wait) before it reads
+        anything the prologue writes -- in every CTA, or under :func:`kv_from_inputs` in CTA 0 and the
+        CTAs that read cache rows -- so it is a programmatic step."""
+        p, device, options = plan_.problem, plan_.device, plan_.options
         a = p.attrs
-        plan = self._plan(p)
+        plan = self._plan(p, device, options)
         kernel = jit.get_kernel(self._spec(p))
         shared = self._shared_bytes(p)
         launch.ensure_shared_memory(kernel, shared)
@@ -209,7 +202,7 @@ class PrefillBackend:
             i32(p.block_size), i32(p.max_blocks_per_seq), i32(plan["zero_ctas"]), i32(plan["num_tiles"]),
             i32(p.rotary_max_pos if p.rotary_dim else 0), f32(p.scale), f32(a.softcap), i32(a.local_window_size),
             i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant]))
-        tail = self._tail_args(p)
+        tail = self._tail_args(p, options)
         args += tail
         attend = launch.Launcher(kernel, (plan["grid"],), (plan["threads"],), args, shared_mem=shared)
         passthrough = q_passthrough(p)  # the prologue only writes K/V; the kernel reads `query` itself
@@ -219,10 +212,11 @@ class PrefillBackend:
         pointers = list(_ATTEND_POINTERS)
         if passthrough:
             pointers[0] = _I["query"]
-        if kv_from_inputs(p):
+        if kv_from_inputs(p, options):
             pointers[1:3] = [_I["key"], _I["value"]]
-        prologue = prologue_launcher(p, beside=prologue_beside(p, call.device_id))
-        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (attend, pointers, True)], _NPOINTERS)
+        prologue = prologue_launcher(p, device, options, beside=prologue_beside(p, device, options))
+        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (attend, pointers, True)], _NPOINTERS,
+                                     route=options.launch, pdl=launch.pdl_allowed(device, options))
         r.maps = self._maps(p, tail)
         return r
 

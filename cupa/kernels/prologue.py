@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 from .. import jit
 from ..contract import Problem
+from ..device import DeviceInfo
+from ..options import Options
 from . import launch, registry, types
 from .launch import POINTER
 from .types import f32, i32
@@ -36,14 +36,15 @@ MAX_TOKENS_PER_CTA = 4
 _TOKENS_CTAS_PER_SM = 10
 
 
-def prologue_launcher(problem: Problem, counters_per_token: int = 0, beside: bool = False) -> launch.Launcher:
-    """The prologue launch of ``problem`` on the current device: pointers are :data:`POINTER_INPUTS`
+def prologue_launcher(problem: Problem, device: DeviceInfo, options: Options, counters_per_token: int = 0,
+                      beside: bool = False) -> launch.Launcher:
+    """The prologue launch of ``problem`` on ``device`` (the current device): pointers are :data:`POINTER_INPUTS`
     (0 for an absent input) followed by the Q workspace (N, H, D) of T (unused under
     :func:`q_passthrough`) and the decode kernel's split counters (``counters_per_token`` int32 per
     token, zeroed by the prologue; 0: none).
 
     ``beside``: for a prologue that only copies K/V rows (unpacked, no QK-norm, no rotary, a T cache),
-    a few fat CTAs instead: :func:`beside_sms` CTAs of 512 threads, each using a whole SM's registers,
+    a few fat CTAs instead: ``options._tuning.prologue_beside_sms`` CTAs of 512 threads, each using a whole SM's registers,
     so the prefill attention kernel launched after it (programmatic) fills every other SM at once
     instead of waiting for the prologue's CTAs to drain; each warp copies every 16th token of its
     CTA's consecutive tokens. The same writes either way."""
@@ -51,10 +52,11 @@ def prologue_launcher(problem: Problem, counters_per_token: int = 0, beside: boo
     kernel = jit.get_kernel(registry.prologue_spec(p.dtype, p.cache_kind, token_loop=beside))
     if beside:
         threads, groups = BESIDE_THREADS, 1
-        tpc = -(-p.token_count // min(beside_sms(), -(-p.token_count // (BESIDE_THREADS // 32))))
+        sms = options._tuning.prologue_beside_sms
+        tpc = -(-p.token_count // min(sms, -(-p.token_count // (BESIDE_THREADS // 32))))
     else:
         threads = PROLOGUE_THREADS
-        groups, tpc = prologue_grid(p, launch.sm_count_hint())
+        groups, tpc = prologue_grid(p, device.sm_count)
     shared = (threads // 32) * p.head_size * 4
     write_q = not q_passthrough(p)
     args = (POINTER,) * (len(POINTER_INPUTS) + 2) + (
@@ -66,15 +68,9 @@ def prologue_launcher(problem: Problem, counters_per_token: int = 0, beside: boo
     return launch.Launcher(kernel, (-(-p.token_count // tpc), groups), (threads,), args, shared_mem=shared)
 
 
-#: The prologue beside the prefill kernel (prologue_launcher, beside=True): threads per CTA (PROLOGUE_BESIDE_THREADS in
-#: cuda_src/prologue.cu), and how many such CTAs -- one per SM, each taking the SM's registers.
+#: Threads per CTA of the prologue beside the prefill kernel (prologue_launcher, beside=True; PROLOGUE_BESIDE_THREADS
+#: in cuda_src/prologue.cu); ``Options._tuning.prologue_beside_sms`` such CTAs run, each taking an SM's registers.
 BESIDE_THREADS = 512
-BESIDE_SMS_ENV = "CUPA_PROLOGUE_BESIDE_SMS"
-BESIDE_SMS = 32
-
-
-def beside_sms() -> int:
-    return max(1, int(os.environ.get(BESIDE_SMS_ENV, "") or BESIDE_SMS))
 
 
 def prologue_grid(problem: Problem, sm_count: int) -> tuple:

@@ -1,7 +1,8 @@
-"""The explicit, small set of kernel specializations, and the CUDA backends in priority order.
+"""The name of every kernel specialization, and the list of all of them for the offline compile check.
 
-Every specialization the dispatcher can ask for is listed here, so ``python -m cupa.compile
---check`` compiles exactly what can run. Head size, GQA group and block size are run-time
+Each backend lists the specializations it can launch (``BACKEND.specializations()``);
+:func:`all_specializations` collects them, so ``python -m cupa.compile --check`` compiles exactly
+what can run. Head size, GQA group and block size are run-time
 parameters of the decode kernel; T, the cache type and the head chunk are template values.
 The prefill kernel is specialized on T, the cache type and the head size (its tile shape). The
 wgmma prefill (sm_90a only) is pinned to its arch: ``Specialization.arch``.
@@ -36,53 +37,19 @@ def prefill_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
         "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
 
 
-def prefill_wgmma_spec(dtype: str, head_size: int = 128) -> Specialization:
-    """The Hopper wgmma prefill (T caches only), pinned to sm_90a: compiled offline and loaded as a cubin."""
-    return Specialization(
-        "prefill_wgmma", f"paged_prefill_wgmma<{types.act(dtype)}, {types.cache('T', dtype)}, {head_size}>",
-        arch="sm_90a")
-
-
 def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:
     """The warp-specialized persistent wgmma prefill (producer warpgroup + two consumer warpgroups, setmaxnreg),
-    pinned to sm_90a like :func:`prefill_wgmma_spec`."""
+    pinned to sm_90a: compiled offline and loaded as a cubin."""
     return Specialization(
         "prefill_wgmma_ws", f"paged_prefill_wgmma_ws<{types.act(dtype)}, {types.cache('T', dtype)}, {head_size}>",
         arch="sm_90a")
 
 
 def all_specializations() -> list:
+    """Every specialization a CUDA backend can launch (each backend lists its own), without repeats."""
+    from .. import dispatch
+
     specs = []
-    for dtype in types.ACT_CXX:
-        for kind in types.CACHE_CXX:
-            specs.append(prologue_spec(dtype, kind))
-            specs.extend(decode_spec(dtype, kind, gt) for gt in types.HEAD_CHUNKS)
-    from .decode import MMA_HEAD_SIZES
-
-    for dtype in ("float16", "bfloat16"):
-        for kind in types.CACHE_CXX:
-            specs.extend(decode_mma_spec(dtype, kind, d) for d in MMA_HEAD_SIZES)
-            if kind != "T":
-                specs.extend(decode_mma_spec(dtype, kind, d, keys_as_m=True) for d in MMA_HEAD_SIZES)
-    from .prefill import PREFILL_DTYPES, PREFILL_HEAD_SIZES
-
-    for dtype in PREFILL_DTYPES:
-        specs.append(prologue_spec(dtype, "T", token_loop=True))
-        for kind in types.CACHE_CXX:
-            specs.extend(prefill_spec(dtype, kind, d) for d in PREFILL_HEAD_SIZES)
-    from .prefill_wgmma import WGMMA_DTYPES, WGMMA_HEAD_SIZES
-
-    specs.extend(prefill_wgmma_spec(dtype, d) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES)
-    specs.extend(prefill_wgmma_ws_spec(dtype, d) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES)
-    return specs
-
-
-def backends() -> list:
-    """CUDA backends in priority order: the first that supports and prefers a call runs it."""
-    from .decode import BACKEND as decode
-    from .prefill import BACKEND as prefill
-    from .prefill_wgmma import BACKEND as prefill_wgmma
-
-    # prefill_wgmma serves fp16/bf16 calls with T caches and head_size 128 on a compute-capability-9.0
-    # device (unless CUPA_PREFILL_WGMMA=0); whatever it declines goes to the mma.sync prefill.
-    return [prefill_wgmma, prefill, decode]
+    for backend in dispatch.cuda_backends():
+        specs.extend(backend.specializations())
+    return list(dict.fromkeys(specs))

@@ -2,9 +2,9 @@
 
 A tensor map is 128 opaque bytes (``CUtensorMap``) describing a tensor in device memory and the box
 a ``cp.async.bulk.tensor`` copies; kernels take it by value (``const __grid_constant__ TmaMap``,
-cuda_src/wgmma.cuh). It is encoded by the driver's ``cuTensorMapEncodeTiled`` (through ctypes: CuPy
-has no binding), a host-only function, and names the tensor's device address, so a map is encoded
-per tensor address; :func:`rows_map` keeps the recent ones (an encode costs ~10 us of host time, a kept
+cuda_src/wgmma.cuh). It is encoded by the driver's ``cuTensorMapEncodeTiled``
+(:mod:`cupa.kernels.driver`), a host-only function, and names the tensor's device address, so a map is
+encoded per tensor address; :func:`rows_map` keeps the recent ones (an encode costs ~10 us of host time, a kept
 map ~0.3 us).
 
 The maps here view a tensor of 16-bit rows, ``(rows, heads, head_size)`` C-contiguous (a cache
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+
+from .driver import tensor_map_encode_tiled
 
 #: cuda.h enums
 _UINT16 = 1               # CU_TENSOR_MAP_DATA_TYPE_UINT16 (a copy: fp16 and bf16 alike)
@@ -37,23 +39,9 @@ MAX_ROWS = (1 << 31) - 1
 ZERO_MAP = bytes(MAP_BYTES)
 
 
-@functools.lru_cache(maxsize=None)
-def _encode_fn():
-    """``cuTensorMapEncodeTiled`` from the driver, or None where there is no driver (or no such entry)."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-    except (OSError, AttributeError):
-        return None
-    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def available() -> bool:
     """Whether tensor maps can be encoded here (a CUDA driver with ``cuTensorMapEncodeTiled``)."""
-    return _encode_fn() is not None
+    return tensor_map_encode_tiled() is not None
 
 
 def map_args(rows: int, heads: int, head_size: int, box_rows: int) -> tuple:
@@ -76,7 +64,7 @@ MAPS_KEPT = 1024
 def rows_map(ptr: int, rows: int, heads: int, head_size: int, box_rows: int) -> bytes:
     """The 128-byte tensor map of the 16-bit tensor ``(rows, heads, head_size)`` at device address ``ptr``
     (16-byte aligned) with boxes of 64 x 1 x ``box_rows`` (see the module docstring)."""
-    fn = _encode_fn()
+    fn = tensor_map_encode_tiled()
     if fn is None:
         raise RuntimeError("tensor maps: the CUDA driver has no cuTensorMapEncodeTiled (check available() first)")
     if ptr % 16:

@@ -1,0 +1,248 @@
+"""Backend choice without a GPU: a pure function of the Problem, the device description and the Options.
+
+The device is a :func:`cupa.device.describe_capability` description, so every rule is checked for every
+compute capability cupa claims, on a machine without one.
+"""
+
+import numpy as np
+import pytest
+
+import cupa
+from cupa import compile as cupa_compile
+from cupa import dispatch, jit
+from cupa.device import describe_capability
+from cupa.kernels import prefill, prefill_wgmma, prologue, registry, tma
+from cupa.options import _Tuning
+from tests import gpu_cases as gc
+
+H200 = describe_capability(9, 0)
+DEFAULT = cupa.Options()
+
+
+def problem_of(rng, metadata=None, **kw):
+    args = dict(q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
+    args.update(kw)
+    inputs, attrs = gc.build(rng, **args)
+    if metadata is not None:
+        inputs["attention_metadata"] = np.array(metadata, dtype=np.int32)
+    op = cupa.PagedAttention(**attrs)
+    return op._problem(op._bind((), inputs))
+
+
+def chosen(rng, device=H200, options=DEFAULT, **kw) -> str:
+    return dispatch.choose(problem_of(rng, **kw), device, options).name
+
+
+def account(rng, device=H200, options=DEFAULT, **kw) -> str:
+    return dispatch.account(problem_of(rng, **kw), device, options)
+
+
+def test_priority_order():
+    names = [b.name for b in dispatch.cuda_backends()]
+    assert names.index("prefill_wgmma") < names.index("prefill") < names.index("decode")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma_prefill_for_the_covered_case(rng, dtype):
+    assert chosen(rng, dtype=dtype) == "prefill_wgmma"
+    text = account(rng, dtype=dtype)
+    assert "prefill_wgmma: chosen" in text and "wgmma" in text and "prefill: eligible but not preferred" in text, text
+    assert text.startswith("device: ") and "options: Options()" in text
+
+
+def test_named_backend_through_options(rng):
+    assert chosen(rng, options=cupa.Options(backend="prefill")) == "prefill"
+    assert chosen(rng, options=cupa.Options(backend="decode")) == "decode"
+    text = account(rng, options=cupa.Options(backend="prefill"))
+    assert "prefill: chosen" in text and "prefill_wgmma: not considered (options.backend='prefill')" in text
+    with pytest.raises(cupa.PagedAttentionError, match="options.backend: 'prefill_wgmma' cannot serve this call: "
+                                                       ".*needs compute capability 9.0"):
+        chosen(rng, device=describe_capability(8, 0), options=cupa.Options(backend="prefill_wgmma"))
+    with pytest.raises(cupa.PagedAttentionError, match="options.backend: got 'reference'"):
+        chosen(rng, options=cupa.Options(backend="reference"))
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (8, 6), (8, 9), (10, 0), (12, 0)])
+def test_wgmma_prefill_not_on_other_devices(rng, cc):
+    device = describe_capability(*cc)
+    assert chosen(rng, device=device) == "prefill"
+    assert "needs compute capability 9.0" in account(rng, device=device)
+
+
+@pytest.mark.parametrize("D", [64, 256])
+def test_wgmma_prefill_not_for_other_head_sizes(rng, D):
+    assert chosen(rng, D=D) == "prefill"
+    assert f"head_size {D}" in account(rng, D=D)
+
+
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+def test_wgmma_prefill_not_for_quantized_caches(rng, cache):
+    assert chosen(rng, cache=cache) == "prefill"
+    assert f"{cache} cache" in account(rng, cache=cache)
+
+
+def test_float32_and_decode_shaped_calls_go_to_decode(rng):
+    assert chosen(rng, dtype="float32") == "decode"
+    assert chosen(rng, q_lens=[1, 1]) == "decode"  # token_count <= batch_size: decode-shaped
+
+
+def test_features_no_fused_backend_serves_are_said_once(rng):
+    inputs, _ = gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
+    op = cupa.PagedAttention(num_heads=8, kv_num_heads=2, return_lse=True)
+    problem = op._problem(op._bind((), inputs))
+    with pytest.raises(cupa.PagedAttentionError, match="no CUDA backend serves this call"):
+        dispatch.choose(problem, H200, DEFAULT)
+    lines = dispatch.account(problem, H200, DEFAULT).splitlines()
+    said = [line for line in lines if line.endswith("not eligible: return_lse is not served here")]
+    assert len(said) == len(dispatch.cuda_backends())
+    assert sum("return_lse is not served here" in line for line in lines) == len(dispatch.cuda_backends()) + 1
+
+
+def test_unverified_backends_are_never_chosen_by_default(rng, monkeypatch):
+    from cupa.kernels import prefill_wgmma as module
+
+    monkeypatch.setattr(module.BACKEND, "verified", False, raising=False)
+    try:
+        assert chosen(rng) == "prefill"
+        assert "prefill_wgmma: not eligible: not yet verified on a GPU (select it with " \
+               "cupa.Options(backend='prefill_wgmma'))" in account(rng)
+        assert chosen(rng, options=cupa.Options(backend="prefill_wgmma")) == "prefill_wgmma"
+    finally:
+        monkeypatch.undo()
+
+
+def test_wgmma_launch_plan_and_shared_memory(rng):
+    """One persistent CTA per SM (fewer when there are fewer work items, or under _tuning.prefill_ws_ctas)
+    after the zero-pass CTAs of 512 threads; 2 Q buffers + 2 stages of 128-key K and V tiles."""
+    p = problem_of(rng, [40, 80])
+    items = ((40 + 30) * 4 // 128 + 2) * 2
+    plan = prefill_wgmma.launch_plan(p, 132)
+    assert plan["items"] == items and plan["persistent"] == min(items, 132) and plan["zero_ctas"] == 1
+    assert plan["grid"] == plan["zero_ctas"] + plan["persistent"] and plan["threads"] == 512
+    assert prefill_wgmma.launch_plan(p, 3)["persistent"] == 3
+    assert prefill_wgmma.launch_plan(p, None)["persistent"] == items
+    assert prefill_wgmma.shared_bytes(p) == 2 * 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 1024
+    assert prefill_wgmma.persistent_ctas(H200, cupa.Options(_tuning=_Tuning(prefill_ws_ctas=7))) == 7
+    assert prefill_wgmma.persistent_ctas(H200, cupa.Options(_tuning=_Tuning(prefill_ws_ctas=500))) == 132
+    assert prefill_wgmma.persistent_ctas(H200, DEFAULT) == 132
+
+
+def test_pinned_specializations_and_compile_tasks():
+    pinned = [s for s in registry.all_specializations() if s.arch]
+    assert len(pinned) == 2 and all(s.arch == "sm_90a" and s.family == "prefill_wgmma_ws" for s in pinned)
+    assert "@sm_90a" in str(pinned[0])
+    portable = jit.Specialization("decode", "k")
+    tasks = cupa_compile.compile_tasks([portable] + pinned, ["sm_80", "sm_90"])
+    assert tasks == [(portable, "sm_80"), (portable, "sm_90")] + [(s, "sm_90a") for s in pinned]
+    assert cupa_compile.compile_tasks(pinned, ["sm_80"]) == []
+    assert cupa_compile.compile_tasks(pinned, ["sm_90", "sm_90a"]) == [(s, "sm_90a") for s in pinned]
+    with pytest.raises(ValueError, match="arch"):
+        jit.Specialization("decode", "k", arch="sm_90")
+
+
+def test_pinned_cache_key_follows_options_and_source():
+    a = registry.prefill_wgmma_ws_spec("float16")
+    b = jit.Specialization(a.family, a.name_expression, ("-DCUPA_TEST_ONLY=1",), arch=a.arch)
+    assert jit.pinned_cache_key(a) == jit.pinned_cache_key(a) != jit.pinned_cache_key(b)
+    assert jit.pinned_cache_key(a) != jit.pinned_cache_key(registry.prefill_wgmma_ws_spec("bfloat16"))
+
+
+def test_wgmma_kernel_compiles_for_sm_90a_without_spills():
+    """NVRTC never serializes the wgmma pipeline (C7520 / C7512 / C7514), keeps setmaxnreg (no C7508
+    'ignored': 64 registers for the copier and scheduler warpgroups, 192 for the consumers) and spills
+    nothing."""
+    try:
+        jit.nvrtc_version()
+    except Exception as exc:  # pragma: no cover - NVRTC missing
+        pytest.skip(f"NVRTC unavailable: {exc}")
+    for dtype in prefill_wgmma.WGMMA_DTYPES:
+        r = jit.compile_offline(registry.prefill_wgmma_ws_spec(dtype), "sm_90a", keep_cubin=True)
+        assert r.ok, r.log
+        assert r.cubin and r.lowered_name.startswith("_Z22paged_prefill_wgmma_ws")
+        assert "setmaxnreg" not in r.log and "serialized" not in r.log, r.log
+        if r.has_stats:
+            assert r.registers <= 128 and not r.spills, r.summary()
+
+
+def test_new_keys_from_inputs_only_where_the_prologue_copies_rows_unchanged(rng):
+    """prefill.kv_from_inputs: the attention kernels read new K/V from key/value only when the prologue
+    stores them unchanged at positions past + j (unpacked, T cache, no rotary, no QK-norm, derived slots,
+    no query_positions); Options(new_kv_from_inputs=False) turns it off. explain() says which."""
+    p = problem_of(rng)
+    assert prefill.kv_from_inputs(p, DEFAULT)
+    assert "new K/V read from key/value" in prefill.prologue_phrase(p, H200, DEFAULT)
+    slots = gc.derived_slots(gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)[0], 16)
+    for kw in (dict(packed=True), dict(rotary=True), dict(qk_norm=True), dict(cache="int8"), dict(cache="fp8"),
+               dict(slot_mapping=slots), dict(query_positions=True)):
+        problem = problem_of(rng, **kw)
+        assert not prefill.kv_from_inputs(problem, DEFAULT), kw
+        assert prefill.prologue_phrase(problem, H200, DEFAULT) == "fused prologue first", kw
+    assert not prefill.kv_from_inputs(p, cupa.Options(new_kv_from_inputs=False))
+
+
+def test_prologue_beside_only_without_a_past_by_the_bounds(rng, monkeypatch):
+    """prefill.prologue_beside: the 512-thread prologue on SMs of its own only under kv_from_inputs, with
+    attention_metadata bounding kv lengths by the longest new-token run, enough tokens and programmatic
+    launch; its launch then has _tuning.prologue_beside_sms CTAs of 512 threads (the token-loop
+    specialization)."""
+    from cupa.kernels import launch
+
+    monkeypatch.setattr(launch.driver, "launch_kernel_ex", lambda: object())
+
+    def problem(q_lens, past, md=None, **kw):
+        inputs, attrs = gc.build(rng, q_lens=q_lens, past=past, H=4, Hk=2, D=64, **kw)
+        op = cupa.PagedAttention(**attrs)
+        return op._problem(op._bind((), dict(inputs, attention_metadata=md)))
+
+    big = [1100, 0, 1000]
+    no_past = np.array([1100, 1100], dtype=np.int32)
+    assert prefill.prologue_beside(problem(big, [0, 0, 0], no_past), H200, DEFAULT)
+    assert "SMs of its own" in prefill.prologue_phrase(problem(big, [0, 0, 0], no_past), H200, DEFAULT)
+    assert not prefill.prologue_beside(problem(big, [0, 0, 0]), H200, DEFAULT)                     # no bounds
+    assert not prefill.prologue_beside(problem(big, [0, 0, 9], np.array([1100, 1109], np.int32)), H200, DEFAULT)
+    assert not prefill.prologue_beside(problem([100, 0, 90], [0, 0, 0], np.array([100, 100], np.int32)), H200,
+                                       DEFAULT)
+    assert not prefill.prologue_beside(problem(big, [0, 0, 0], no_past, rotary=True), H200, DEFAULT)
+    assert not prefill.prologue_beside(problem(big, [0, 0, 0], no_past), describe_capability(8, 0), DEFAULT)
+    assert not prefill.prologue_beside(problem(big, [0, 0, 0], no_past), H200,
+                                       cupa.Options(programmatic_launch=False))
+    eight = cupa.Options(_tuning=_Tuning(prologue_beside_sms=8))
+    p = problem(big, [0, 0, 0], no_past)
+    assert prefill.prologue_beside(p, H200, eight)
+    specs = []
+    monkeypatch.setattr(prologue.jit, "get_kernel", lambda spec: specs.append(spec) or object())
+    launcher = prologue.prologue_launcher(p, H200, eight, beside=True)
+    assert specs[0].name_expression.endswith(", true>")
+    assert launcher.block[0] == prologue.BESIDE_THREADS and launcher.grid[:2] == (8, 1)
+
+
+@pytest.mark.parametrize("block_size,box", [(1, 0), (4, 0), (12, 0), (8, 8), (24, 8), (16, 16), (48, 16),
+                                            (32, 32), (64, 32), (256, 32), (512, 32)])
+def test_tma_boxes_of_cache_rows(rng, monkeypatch, block_size, box):
+    """Boxes of gcd(block_size, 32) cache rows (each inside one block, tiles starting on box boundaries)
+    where that is at least 8 rows, else cp.async; new K/V rows from key/value in boxes of 32 exactly where
+    the kernel reads them there (kv_from_inputs); Options(tma=False), or no driver entry: none."""
+    monkeypatch.setattr(tma, "available", lambda: True)
+    p = problem_of(rng, block_size=block_size)
+    assert prefill_wgmma.tma_plan(p, DEFAULT) == (box, prefill.kv_from_inputs(p, DEFAULT))
+    tail = prefill_wgmma.BACKEND._tail_args(p, DEFAULT)
+    assert tail[:4] == (prefill_wgmma.launch.TENSOR_MAP,) * 4 and tail[4] == box
+    assert tail[5] == int(prefill.kv_from_inputs(p, DEFAULT))
+    rotary = problem_of(rng, block_size=block_size, rotary=True)  # new rows rotated: read from the cache
+    assert prefill_wgmma.tma_plan(rotary, DEFAULT) == (box, False)
+    assert prefill_wgmma.tma_plan(p, cupa.Options(tma=False)) == (0, False)
+    monkeypatch.setattr(tma, "available", lambda: False)
+    assert prefill_wgmma.tma_plan(p, DEFAULT) == (0, False)
+
+
+def test_tensor_map_shapes():
+    """(head_size, heads, rows) with byte strides of a row of one head and of a whole row; boxes of
+    64 columns (the 128-byte swizzle span) x 1 head x box rows; the limits of cuTensorMapEncodeTiled."""
+    assert tma.map_args(4096 * 16, 8, 128, 16) == ((128, 8, 65536), (256, 2048), (64, 1, 16))
+    assert tma.map_args(100, 1, 128, 32) == ((128, 1, 100), (256, 256), (64, 1, 32))
+    for bad in ((0, 8, 128, 16), (10, 8, 100, 16), (10, 8, 128, 0), (10, 8, 128, 257), (1 << 31, 8, 128, 16)):
+        with pytest.raises(ValueError):
+            tma.map_args(*bad)
+    if not tma.available():
+        with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled"):
+            tma.rows_map(1 << 20, 100, 1, 128, 32)
