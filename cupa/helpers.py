@@ -74,7 +74,7 @@ def check_scale(scale, name: str = "scale") -> None:
         ok = np.isfinite(s) & (s > 0) & np.isfinite(np.float32(1) / s)
     if not ok.all():
         bad = ~ok
-        raise fail(name, f"{s[bad].flat[0]!r} at index {_first(bad)}",
+        raise fail(name, f"{s[bad].flat[0]} at index {_first(bad)}",
                    "positive, finite float32 scales whose reciprocal is finite (>= ~2.9e-39)")
 
 
@@ -256,8 +256,8 @@ def quantize(x, scale, cache_dtype="int8", as_bytes: bool = False):
     xp = _xp(x)
     kind = _cache_kind(cache_dtype)
     x = xp.asarray(x)
+    check_scale(scale)
     s = _broadcast_scale(scale, x.shape, xp)
-    check_scale(s)
     inv = (xp.float32(1) / s).astype(xp.float32)
     y = (x.astype(xp.float32) * inv).astype(xp.float32)
     if kind == "int8":
@@ -308,6 +308,6 @@ def dequantize(codes, scale, cache_dtype=None):
         vals = codes.astype(np.float32)
     else:
         raise ValueError(f"codes: got dtype {name}; expected int8, float8_e4m3fn or uint8 (e4m3 bytes)")
+    check_scale(scale)
     s = _broadcast_scale(scale, codes.shape, xp)
-    check_scale(s)
     return (vals.astype(xp.float32) * s).astype(xp.float32)
