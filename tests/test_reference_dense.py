@@ -325,6 +325,23 @@ def test_token_count_zero(rng, qk_output):
     util.assert_cache_close(case.inputs["value_cache"], before.inputs["value_cache"])
 
 
+@pytest.mark.parametrize("cache", ["T", "int8", "fp8_bytes"])
+@pytest.mark.parametrize("slots", [None, "derived"])
+def test_empty_cache(rng, cache, slots):
+    """num_blocks == 0 is valid (contract §4.4): nothing is written, every token outputs zeros, output_qk
+    is zero and lse is -inf."""
+    case = util.make_case(rng, q_lens=(3, 0, 2), past=(4, 2, 0), cache=cache, sink=True, qk_output=1,
+                          slot_mapping=slots)
+    for name in ("key_cache", "value_cache"):
+        c = case.inputs[name]
+        case.inputs[name] = np.empty((0,) + c.shape[1:], c.dtype)
+    case.inputs["block_table"][...] = -1
+    out = np.full((case.token_count, 4 * 64), np.nan, np.float16)
+    result = case.run(return_lse=True, out=out)
+    assert result[0] is out and np.all(out.astype(np.float32) == 0)
+    assert np.all(result[1] == 0) and np.all(np.isneginf(result[2]))
+
+
 def test_out_parameter(rng):
     case = util.make_case(rng, dtype="bfloat16", qk_output=2)
     N, H = case.token_count, 4
