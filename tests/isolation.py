@@ -36,8 +36,9 @@ def _share(case, dst, src):
 
 
 def build(rng, mask: str, **opts) -> util.Case:
-    """A small call (block size 4) for one mask kind; ``opts`` go to util.make_case (cache kind, dtype)."""
-    common = dict(block_size=4, num_heads=4, kv_num_heads=2, head_size=32, **opts)
+    """A small call (block size 4) for one mask kind; ``opts`` go to util.make_case (cache kind, dtype,
+    head sizes)."""
+    common = {**dict(block_size=4, num_heads=4, kv_num_heads=2, head_size=32), **opts}
     if mask == "causal":          # causal future of the same chunk; seq 1 maps seq 0's keys beyond its own
         case = util.make_case(rng, q_lens=(7, 5, 1, 0), past=(3, 20, 9, 4), **common)
         _share(case, (2, 3), (1, 2))          # seq 2 positions 12..15 (past kv_len 10), seq 1 positions 8..11
@@ -66,7 +67,7 @@ def build(rng, mask: str, **opts) -> util.Case:
         _share(case, (1, 3), (2, 1))          # seq 1 positions 12..15 (in its window), seq 2 positions 4..7
         _share(case, (4, 2), (1, 4))          # seq 4 positions 8..11 (left of its window), seq 1 positions 16..19
     elif mask == "latent":        # LATENT: V is the leading channels of the K row
-        latent = dict(common, num_heads=4, head_size=48, latent=True, v_head_size=32, scale=0.2)
+        latent = {**common, **dict(num_heads=4, head_size=48, latent=True, v_head_size=32, scale=0.2)}
         case = util.make_case(rng, q_lens=(5, 2, 1), past=(6, 9, 14), window=5, **latent)
         _share(case, (2, 1), (1, 1))          # seq 2 positions 4..7 (left of its window), seq 1 positions 4..7
     elif mask == "packed":        # packed QKV: the new K/V are columns of query
