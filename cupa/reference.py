@@ -337,15 +337,15 @@ class _Attention:
         G = pb.group_size
         self.head_of = np.arange(Hk)[:, None] * G + np.arange(G)[None, :]   # (Hk, G) -> query head
         self.row_keys = Hk * max(D, Dv)            # gathered elements per key of one grid row
-        self._scores = np.empty(0)                 # reused by every grid (fresh pages are costly)
+        self._scores = np.empty(0)                 # reused by every grid: fresh pages cost page faults
 
     # -- grids ----------------------------------------------------------------------------------
     def _rows(self, tokens: np.ndarray) -> list:
         """Consecutive runs of one sequence's attending tokens whose scores fit SCORE_ELEMENTS."""
         lo, hi, H = self.tok.lo[tokens], self.tok.hi[tokens], self.pb.num_heads
         rows, i, n = [], 0, tokens.size
-        while i < n:
-            ahead = slice(i, min(n, i + max(1, SCORE_ELEMENTS // H)))
+        while i < n:                           # a row is no longer than its first token's span allows
+            ahead = slice(i, min(n, i + max(1, SCORE_ELEMENTS // (H * max(1, int(hi[i] - lo[i]))))))
             span = np.maximum.accumulate(hi[ahead]) - np.minimum.accumulate(lo[ahead])
             size = np.arange(1, span.size + 1) * H * span      # non-decreasing
             m = max(1, int(np.count_nonzero(size <= SCORE_ELEMENTS)))
@@ -368,15 +368,14 @@ class _Attention:
         short = span * self.row_keys <= TILE_ELEMENTS
         for r in np.flatnonzero(~short):
             yield rows[r][None, :], np.ones((1, rows[r].size), dtype=bool)
-        group, width, longest = [], 0, 0
-        H = self.pb.num_heads
+        H, per_key = self.pb.num_heads, self.row_keys
+        group, longest = [], 0
         for r in np.flatnonzero(short)[np.argsort(span[short], kind="stable")]:
-            w, m = int(span[r]), max(longest, rows[r].size)
+            w, m = int(span[r]), max(longest, rows[r].size)      # spans ascend: w is the group's widest
             U = len(group) + 1
-            if group and (U * w * self.row_keys > TILE_ELEMENTS or U * m * H * w > SCORE_ELEMENTS):
+            if group and (U * w * per_key > TILE_ELEMENTS or U * m * H * w > SCORE_ELEMENTS):
                 yield _pad(group, longest)
-                group, longest = [], 0
-                m = rows[r].size
+                group, m = [], rows[r].size
             group.append(rows[r])
             longest = m
         if group:
