@@ -16,6 +16,9 @@ rows each time); ``seconds`` is the fastest, ``median_seconds`` the median. Memo
 - ``traced_peak_bytes``: the largest sum of live allocations made by one call (tracemalloc, which
   NumPy reports its buffers to), on a separate untimed run.
 
+The targets assume an otherwise idle machine: other processes on the same cores slow the BLAS
+threads far more than their share, so each case records the 1-minute load average before it.
+
     python benchmarks/bench_reference.py --out benchmarks/results/reference_cpu.json [--reps 3]
 """
 
@@ -124,7 +127,8 @@ def run_case(name: str, reps: int) -> dict:
 
 def environment() -> dict:
     info = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
-            "numpy": np.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count()}
+            "numpy": np.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "load_average_1_5_15_min": list(os.getloadavg())}
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
@@ -150,17 +154,19 @@ def main(argv=None) -> int:
         return 0
     results = []
     for name in args.case or list(CASES):
+        load = os.getloadavg()[0]
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--reps", str(args.reps)],
                               capture_output=True, text=True, cwd=ROOT)
         if proc.returncode:
             sys.stderr.write(proc.stderr)
             return proc.returncode
         row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row["load_average_1min_before"] = load
         results.append(row)
         rss = row["peak_rss_bytes"]
         print(f"{name:32s} {row['seconds']:8.3f} s (target {row['target_seconds']} s)  "
               f"peak RSS {rss / 2**20 if rss else float('nan'):7.0f} MiB  "
-              f"traced peak {row['traced_peak_bytes'] / 2**20:7.0f} MiB", flush=True)
+              f"traced peak {row['traced_peak_bytes'] / 2**20:7.0f} MiB  (load {load:.1f})", flush=True)
     payload = {"benchmark": "reference_cpu", "environment": environment(), "results": results}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

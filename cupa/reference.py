@@ -420,7 +420,9 @@ class _Attention:
         slots = np.where(mapped, block, 0) * bs + pos % bs
         admitted = mapped[:, None, :] & (pos >= lo[..., None]) & (pos < hi[..., None])
         needed = admitted.any(axis=1)                                 # (U, Kc): read for this row
-        tile = max(1, TILE_ELEMENTS // (U * self.row_keys))
+        # keys per tile: TILE_ELEMENTS float64 (each used while in cache), or as many as the grid has
+        # scores when those are more (a prefill: fewer, larger matrix products)
+        tile = max(1, max(TILE_ELEMENTS, U * H * M * Kc) // (U * self.row_keys))
 
         # 1. scores s = scale * (q . k), (U, Hk, M*G, Kc): query head h = kv_head*G + g is row m*G + g
         #    of its kv head; the scale is applied to q (a pass over q instead of one over s)
