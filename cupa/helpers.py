@@ -60,8 +60,8 @@ def check_scale(scale, name: str = "scale") -> None:
     """Raise :class:`cupa.PagedAttentionError` unless every entry of ``scale`` is a usable scale.
 
     A usable scale is positive and finite as float32, with a finite float32 reciprocal (at least
-    about 2.9e-39): the write rule multiplies by ``float32(1/scale)``. Contract §4.4 calls any
-    other scale a contract violation.
+    about 2.9e-39). Contract §4.4 calls a scale <= 0 or non-finite a contract violation; the write
+    rule, which multiplies by ``float32(1/scale)``, cannot apply a smaller one either.
 
     Parameters
     ----------

@@ -1,9 +1,9 @@
 """The NumPy reference backend: float64 arithmetic, the oracle every CUDA backend is tested against.
 
-Semantics are docs/contract.md sections 1-4 plus the decisions of docs/architecture.md. One call runs
-in two phases (seed section 7.2): the prologue of *every* token (packed-QKV split, QK-norm, RoPE, rounding
-to T, quantize-on-write, the cache write), then the attention of every token, so a token reads a
-cache that already holds every write of this call.
+Semantics are docs/contract.md sections 1-4 plus the decisions of docs/architecture.md. One call
+runs in two phases (seed section 7.2): the prologue of *every* token (packed-QKV split, QK-norm,
+RoPE, rounding to T, quantize-on-write, the cache write), then the attention of every token, so a
+token reads a cache that already holds every write of this call.
 
 Token t of sequence b admits the key positions k with ``lo_t <= k < hi_t`` (its kv_len, the causal
 bound, the window and the bias capacity, :func:`_tokens`) whose block is mapped. Attention runs on
@@ -13,8 +13,9 @@ sequences are packed several rows to a grid), each grid against the key position
 1. scores ``s = scale * (q . k)`` for every (token, head, key), the keys gathered through the block
    table and dequantized one tile at a time;
 2. ``+ attention_bias``, then softcap; keys the token does not admit become -inf;
-3. softmax over the admitted keys (the sink in the denominator only), lse, output_qk;
-4. ``output = sum of p * v`` over the admitted keys, the values again gathered one tile at a time.
+3. softmax over the admitted keys: ``e = exp(s - max)``, ``den = sum(e)`` plus the sink's term; lse,
+   output_qk;
+4. ``output = sum(e * v) / den`` over the admitted keys, the values again gathered tile by tile.
 
 A key a token does not admit contributes nothing to that token, whatever its cache row holds: rows
 that no token of a grid row admits are zeroed as they are gathered, and a value row holding NaN or
@@ -329,8 +330,7 @@ class _Attention:
         self.block_table = np.asarray(x["block_table"]).astype(np.int64)
         self.key_rows = x["key_cache"].reshape(NB * bs, Hk, D)
         self.value_rows = self.key_rows if pb.latent else x["value_cache"].reshape(NB * bs, Hk, D)
-        k_scale = _scale64(x["k_scale"], D)
-        self.k_scale = k_scale
+        self.k_scale = k_scale = _scale64(x["k_scale"], D)
         self.v_scale = k_scale[..., :Dv] if pb.latent and k_scale is not None else _scale64(x["v_scale"], D)
         self.sink = _f64(x["head_sink"]) if pb.has_head_sink else None
         self.bias = np.asarray(x["attention_bias"]) if pb.has_bias else None

@@ -73,7 +73,8 @@ def test_compute_scale_rejects_non_finite_data(rng, qt, bad):
     x[index] = bad
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(cupa.PagedAttentionError, match=rf"^x: got a non-finite value at index {re.escape(str(index))}"):
+        expected = rf"^x: got a non-finite value at index {re.escape(str(index))}"
+        with pytest.raises(cupa.PagedAttentionError, match=expected):
             cupa.compute_scale(x, qt)
 
 

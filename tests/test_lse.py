@@ -30,7 +30,8 @@ FEATURES = [
 
 
 def merge(outputs, lses, sink=None):
-    """Combine attention states exactly in float64: sum_i exp(lse_i - m) o_i / (sum_i exp(lse_i - m) + exp(sink - m))."""
+    """Attention states combined in float64:
+    sum_i exp(lse_i - m) o_i / (sum_i exp(lse_i - m) + exp(sink - m)), and the lse of the union."""
     lses = [np.asarray(x, dtype=np.float64) for x in lses]
     N, H = lses[0].shape
     outs = [np.asarray(o, dtype=np.float64).reshape(N, H, -1) for o in outputs]
