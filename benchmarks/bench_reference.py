@@ -9,7 +9,8 @@ the reference on a 2-core machine:
 
 and at most 2 GB of peak memory each. Every case runs in a fresh Python process, so one case's
 memory never counts against another. The call is timed ``--reps`` times (it rewrites the same cache
-rows each time); ``seconds`` is the fastest, ``median_seconds`` the median. Memory, two ways:
+rows each time); ``seconds`` is the fastest, ``median_seconds`` the median, ``cpu_seconds`` the
+process CPU time of each call (all threads). Memory, two ways:
 
 - ``peak_rss_bytes``: the process's peak resident set during the calls (VmHWM, reset through
   /proc/self/clear_refs just before the first call), inputs and interpreter included;
@@ -100,11 +101,12 @@ def run_case(name: str, reps: int) -> dict:
     op = cupa.PagedAttention(**attrs)
     op.plan(**inputs)                          # validation and dispatch outside the timed region
     reset = _reset_peak_rss()
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = op(**inputs)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     peak_rss = _vm_hwm()
     finite = bool(np.isfinite(out.astype(np.float32)).all())
     del out
@@ -117,6 +119,7 @@ def run_case(name: str, reps: int) -> dict:
         "case": name, "B": batch, "new_tokens": new, "past": past, "H": H, "Hk": HK, "D": D,
         "block_size": BLOCK, "dtype": "float16", "cache": "T", "input_bytes": input_bytes,
         "seconds": min(times), "median_seconds": sorted(times)[len(times) // 2], "all_seconds": times,
+        "cpu_seconds": cpu,
         "target_seconds": target, "meets_time_target": min(times) <= target,
         "peak_rss_bytes": peak_rss if reset else None, "traced_peak_bytes": traced_peak,
         "memory_target_bytes": MEMORY_TARGET,
