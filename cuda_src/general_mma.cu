@@ -454,7 +454,9 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
     return;
   }
 
-  // One split: finalize this warp's rows into its own rows of sQ (as T), then store whole rows; the lse.
+  // One split: finalize this warp's rows into its own rows of sQ (as T), then store whole rows; the lse. Each
+  // element is finalize() of its (m, l, o), the arithmetic general_finish.cu applies to a row whose keys lie in
+  // one split of several, so a bound that changes the number of launched splits never changes a bit (SPEC 4.5).
   const bool has_sink = head_sink != nullptr;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -462,14 +464,14 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
     const bool live = sHi[r] > sLo[r];
     const float sink = has_sink ? Act<T>::to_float(head_sink[sHead[r]]) : 0.0f;
     const float m = row_max[i] * CUPA_LN2;
-    const float factor = live ? finalize(m, row_sum[i], 1.0f, has_sink, sink, 1.0f) : 0.0f;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       const int d = n * 8 + (lane & 3) * 2;
       const float vs0 = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
       const float vs1 = v_quant ? quant_scale(v_scale, v_quant, g, D, d + 1) : 1.0f;
-      *reinterpret_cast<unsigned*>(sQ + swz<D>(r, d)) = Mma<T>::pack(o[n][2 * i] * factor * vs0,
-                                                                      o[n][2 * i + 1] * factor * vs1);
+      const float x0 = live ? finalize(m, row_sum[i], o[n][2 * i], has_sink, sink, vs0) : 0.0f;
+      const float x1 = live ? finalize(m, row_sum[i], o[n][2 * i + 1], has_sink, sink, vs1) : 0.0f;
+      *reinterpret_cast<unsigned*>(sQ + swz<D>(r, d)) = Mma<T>::pack(x0, x1);
     }
     if (lse && (lane & 3) == 0 && sTok[r] >= 0)
       lse[(long long)sTok[r] * H + sHead[r]] = live ? state_lse(m, row_sum[i]) : CUPA_NEG_INF;

@@ -70,7 +70,7 @@ CUPA_DEVICE void general_store_rows(float* sm_m, float* sm_l, const float* sm_o,
 }
 
 template <typename T, typename Cache, int GT, int CPL>
-__global__ void __launch_bounds__(GSIMT_WARPS * 32) paged_general_simt(
+__global__ void __launch_bounds__(GSIMT_WARPS * 32, 1) paged_general_simt(
     const T* __restrict__ q,  // (N, H, D): prologue output, or `query` itself
     const typename Cache::storage* __restrict__ key_cache,
     const typename Cache::storage* __restrict__ value_cache,  // null in LATENT
@@ -85,8 +85,8 @@ __global__ void __launch_bounds__(GSIMT_WARPS * 32) paged_general_simt(
   using C = typename Cache::storage;
   constexpr int WARPS = GSIMT_WARPS;
   constexpr int SLOTS = 256 * CPL;                                     // channels of a head's accumulator row
-  // Keys in flight per subgroup: fewer for 4-byte caches and for 8 heads (their accumulators fill the registers).
-  constexpr int U = (sizeof(C) == 4 ? 1 : 2) * (CPL == 1 ? 2 : 1);  // keys in flight per subgroup
+  // Keys in flight per subgroup: 4, halved for 4-byte caches and again when a lane holds several chunks.
+  constexpr int U = (sizeof(C) == 4 ? 1 : 2) * (CPL == 1 ? 2 : 1);
   constexpr bool ONLY_LATENT = CPL > 1;                               // head_size > 256: LATENT only
   __shared__ float sm_m[WARPS * GT], sm_l[WARPS * GT];
   __shared__ float sm_o[WARPS * GT * SLOTS];
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(GSIMT_WARPS * 32) paged_general_simt(
   split_span(lo, hi, chunk, num_splits, s_first, s_last);
   grid_dependency_wait();  // the prologue's Q and cache rows are visible from here
   if (split < s_first || split > s_last) return;  // no admitted key in this split: no state to write
-  lo = max(lo, split * chunk);
+  lo = (int)max((long long)lo, (long long)split * chunk);
   hi = (int)min((long long)hi, (long long)(split + 1) * chunk);
 
   // Q chunks of each head with the score scale and the K scale folded in (exact: the zero point is 0).
@@ -208,7 +208,9 @@ __global__ void __launch_bounds__(GSIMT_WARPS * 32) paged_general_simt(
         for (int c = 0; c < CPL; ++c)
 #pragma unroll
           for (int i = 0; i < 8; ++i) s = fmaf(qr[gi][c][i], kf[c][i], s);
-        for (int off = lpk / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+          if (off < lpk) s += __shfl_xor_sync(0xffffffffu, s, off);
         if (k < hi && gi < nh) {  // a key of this split's admitted range: its output_qk entry is this CTA's
           if (ok[u]) {
             if (bias) s += Act<T>::to_float(__ldg(bias_h0 + gi * bias_stride + k));
