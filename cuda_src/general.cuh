@@ -1,5 +1,5 @@
 // Pieces shared by the general backend's kernels (general_mma.cu, general_simt.cu, general_finish.cu):
-// the attention_bias view and its capacity rule (SPEC 4.3), each token's admitted key range, the
+// the attention_bias view and its capacity rule (contract §4.3), each token's admitted key range, the
 // layout of the split partial states, and the output_qk / lse values of a finished row.
 //
 // Partial states (one per (token, query head, split), written when a call has several KV splits):
@@ -25,7 +25,7 @@ template <typename T> struct BiasView {
     const long long bb = batch > 1 ? b : 0, hh = heads > 1 ? h : 0;
     return ptr + ((bb * heads + hh) * q_cap + j) * (long long)kv_cap;
   }
-  // SPEC 4.3: a (j, k) outside the capacities is masked and never read. A query index j >= q_cap
+  // contract §4.3: a (j, k) outside the capacities is masked and never read. A query index j >= q_cap
   // admits no key, and the keys k >= kv_cap are masked, so a row's range ends there.
   CUPA_DEVICE void clamp(int j, int& lo, int& hi) const {
     if (ptr == nullptr) return;
@@ -34,7 +34,7 @@ template <typename T> struct BiasView {
   }
 };
 
-// Admitted key range [lo, hi) of a token before block masking (SPEC 4.2, 4.3); empty: lo = hi = 0.
+// Admitted key range [lo, hi) of a token before block masking (contract §4.2, 4.3); empty: lo = hi = 0.
 // Every kernel of the backend derives a row's keys from this, so they agree on which output_qk
 // entries are whose and which splits hold a row's partial states.
 template <typename T>
@@ -57,7 +57,7 @@ CUPA_DEVICE bool token_owned(const int* cum, int batch_size, int t) {
 CUPA_DEVICE float state_lse(float m, float l) { return l > 0.0f ? m + logf(l) : CUPA_NEG_INF; }
 
 // The share of the keys in a row's softmax denominator when head_sink adds exp(sink): 1 / (1 + exp(sink - lse)),
-// so that a key of score s has probability exp(s - lse) * share (SPEC 4.3: the sink counts in the denominator only).
+// so that a key of score s has probability exp(s - lse) * share (contract §4.3: the sink counts in the denominator only).
 CUPA_DEVICE float keys_share(float lse, bool has_sink, float sink) {
   return has_sink ? 1.0f / (1.0f + __expf(sink - lse)) : 1.0f;
 }

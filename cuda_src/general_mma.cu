@@ -7,9 +7,9 @@
 // 4 warps owns 16 rows (one mma.sync m16n8k16 tile) and keeps their online-softmax state in registers;
 // keys stream through shared memory in tiles of KEYS (cp.async, STAGES stages, rows gathered through the
 // block table, masked rows zero-filled) over the union of the rows' admitted ranges.
-// Per element of a tile: score = scale * q.k (+ bias[b|0, h|0, j, k], read from global memory, only for
-// admitted keys, issued before the tile's MMAs so that its latency overlaps them), then softcap; the
-// score goes to output_qk when asked (general.cuh), then into the exponent.
+// Per element of a tile: score = scale * q.k (+ bias[b|0, h|0, j, k], read from global memory into registers
+// a tile ahead, only for admitted keys), then softcap; the score goes to output_qk when asked (general.cuh),
+// then into the exponent.
 // The end: one split (num_splits == 1) finalizes the rows (sink, V scale) into `out` and their lse;
 // several write partial states (general.cuh) that general_finish.cu merges. With one split the first
 // zero_ctas CTAs zero the output rows (and lse) of tokens no sequence owns.
@@ -279,21 +279,35 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float row_max[2] = {CUPA_NEG_INF, CUPA_NEG_INF}, row_sum[2] = {0.0f, 0.0f};  // log2 domain; this lane's share
 
-  int stage = 0, slot = 0;  // kt % NST, kt % (NST + 1)
-  for (int kt = 0; kt < ntiles; ++kt, stage = stage + 1 == NST ? 0 : stage + 1, slot = slot == NST ? 0 : slot + 1) {
-    const int kt0 = kbase + kt * KEYS;
-    // The bias entries of this thread's fragment (admitted keys only), before the tile's MMAs.
-    unsigned bias_bits[2][NT];
+  // The bias entries of this thread's fragment of tile kt (admitted keys only), loaded a tile ahead: their
+  // latency (HBM: the bias is read once) overlaps a whole tile's work.
+  auto load_bias = [&](int kt, unsigned (&bits)[2][NT]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        const int k = kt0 + j * 8 + (lane & 3) * 2;
-        bias_bits[i][j] = bias ? load_bias_pair(bias_row[i], k, k >= row_lo[i] && k < row_hi[i],
-                                                k + 1 >= row_lo[i] && k + 1 < row_hi[i], bias_pairs)
-                               : 0u;
+        const int k = kbase + kt * KEYS + j * 8 + (lane & 3) * 2;
+        bits[i][j] = load_bias_pair(bias_row[i], k, k >= row_lo[i] && k < row_hi[i],
+                                    k + 1 >= row_lo[i] && k + 1 < row_hi[i], bias_pairs);
       }
     }
+  };
+  unsigned bias_next[2][NT];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) bias_next[i][j] = 0u;
+  if (bias && ntiles > 0) load_bias(0, bias_next);
+
+  int stage = 0, slot = 0;  // kt % NST, kt % (NST + 1)
+  for (int kt = 0; kt < ntiles; ++kt, stage = stage + 1 == NST ? 0 : stage + 1, slot = slot == NST ? 0 : slot + 1) {
+    const int kt0 = kbase + kt * KEYS;
+    unsigned bias_bits[2][NT];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) bias_bits[i][j] = bias_next[i][j];
+    if (bias && kt + 1 < ntiles) load_bias(kt + 1, bias_next);
     cp_async_wait<NST - 2>();
     __syncthreads();
     if (kt + NST - 1 < ntiles) load_tile(stage == 0 ? NST - 1 : stage - 1, slot <= 1 ? slot + NST - 1 : slot - 2);
@@ -456,7 +470,7 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
 
   // One split: finalize this warp's rows into its own rows of sQ (as T), then store whole rows; the lse. Each
   // element is finalize() of its (m, l, o), the arithmetic general_finish.cu applies to a row whose keys lie in
-  // one split of several, so a bound that changes the number of launched splits never changes a bit (SPEC 4.5).
+  // one split of several, so a bound that changes the number of launched splits never changes a bit (contract §4.5).
   const bool has_sink = head_sink != nullptr;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {

@@ -2,7 +2,7 @@
 
 Every case runs with ``cupa.Options(backend="general")`` (the backend is not chosen by default until these
 pass), draws fresh random data, poisons ``out`` and every allocation of the call (output_qk, lse,
-workspaces: gpu_cases.poisoned_allocations) and checks every element: the output by SPEC section 6's
+workspaces: gpu_cases.poisoned_allocations) and checks every element: the output by contract §6's
 relative error, output_qk and lse element by element (gpu_cases.check_outputs_against_reference), and
 every cache byte. Both kernels are covered: tensor cores (fp16/bf16, head_size 64/128/256, SEPARATE) and
 CUDA cores (float32, other head sizes, LATENT).
@@ -61,7 +61,7 @@ def test_bias_broadcast_patterns(cp, rng, shape, broadcast, dtype, kernel):
 @pytest.mark.parametrize("dtype,D", [("float16", 128), ("float16", 96), ("float32", 64)])
 def test_bias_capacities(cp, rng, pad, dtype, D):
     """Capacities larger than needed (entries never read), exact, and smaller than needed: a (j, k) outside
-    them is masked and never read (SPEC 4.3), so an undersized capacity masks keys and whole query rows."""
+    them is masked and never read (contract §4.3), so an undersized capacity masks keys and whole query rows."""
     check(cp, rng, dtype=dtype, D=D, bias=(False, False), bias_pad=pad, **SHAPES["chunked"])
 
 
@@ -155,7 +155,7 @@ def test_splits(cp, rng, qk_output, dtype, D):
 
 @pytest.mark.parametrize("metadata", ["tight", "loose"])
 def test_output_qk_width_from_the_bound(cp, rng, metadata):
-    """output_qk's width is the kv bound of attention_metadata (SPEC 2) when given."""
+    """output_qk's width is the kv bound of attention_metadata (contract §2) when given."""
     shape = SHAPES["chunked"]
     kv = max(p + q for p, q in zip(shape["past"], shape["q_lens"]))
     md = np.array([33, kv] if metadata == "tight" else [100, 1000], dtype=np.int32)
@@ -223,7 +223,7 @@ def test_nan_in_unread_cache_rows(cp, rng, dtype, cache):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_bit_identical_runs_and_bounds(cp, rng, dtype):
-    """Two runs give the same bits; so do absent, tight and loose attention_metadata bounds (SPEC 4.5)."""
+    """Two runs give the same bits; so do absent, tight and loose attention_metadata bounds (contract §4.5)."""
     shape = dict(q_lens=[1, 5, 1], past=[2500, 300, 4000])
     inputs, attrs = gc.build(rng, dtype=dtype, bias=(False, False), qk_output=2, return_lse=True, sink=True, **shape)
     kv = max(p + q for p, q in zip(shape["past"], shape["q_lens"]))

@@ -9,9 +9,9 @@ the Q workspace, :mod:`cupa.kernels.prologue`):
 - the attention kernel: ``paged_general_mma`` (cuda_src/general_mma.cu; tensor cores) for fp16/bf16,
   SEPARATE, head_size 64/128/256, where its shared memory fits the device (:func:`uses_mma`), else
   ``paged_general_simt`` (cuda_src/general_simt.cu; CUDA cores: float32, other head sizes, LATENT);
-  bias entries are read for admitted keys only (SPEC 4.3), scores go to output_qk as they are made;
+  bias entries are read for admitted keys only (contract §4.3), scores go to output_qk as they are made;
 - KV splits (:func:`split_plan`) where the grid would be short: cut at multiples of a ``chunk`` drawn
-  from static sizes only (the bound decides how many trailing splits are launched, SPEC 4.5), their
+  from static sizes only (the bound decides how many trailing splits are launched, contract §4.5), their
   partial states merged in split order by ``paged_general_finish`` (cuda_src/general_finish.cu);
 - ``paged_general_finish``, under several splits or output_qk: the merge, the zeros of output_qk outside
   each row's admitted range and, under qk_output=2, the scores turned into probabilities.
