@@ -39,15 +39,17 @@ FEATURE_CASES = {
 def test_general_is_last_and_serves_every_feature():
     assert dispatch.CUDA_BACKENDS[-1] == "general"
     b = dispatch.cuda_backends()[-1]
-    assert b is general.BACKEND and b.name == "general" and not b.verified
+    assert b is general.BACKEND and b.name == "general"
+    assert not b.verified  # until its GPU tests (tests/test_general_gpu.py) pass on a device
     assert b.serves == frozenset(kbackend.FEATURES) == {"latent", "bias", "output_qk", "return_lse"}
     assert "general" in cupa.options.BACKEND_NAMES
 
 
 @pytest.mark.parametrize("case", ["bias", "scores", "probabilities", "lse"])
-def test_fused_backends_decline_and_the_general_backend_alone_serves(rng, case):
+def test_fused_backends_decline_and_the_general_backend_alone_serves(rng, case, monkeypatch):
     """Each fused backend declines with the feature's reason naming the general backend; the general backend
-    has no reason to decline, but is unverified: the default choice raises the clear error that says so."""
+    has no reason to decline, but while unverified the default choice raises the clear error that says so."""
+    monkeypatch.setattr(general.BACKEND, "verified", False)
     p = problem_of(rng, **FEATURE_CASES[case])
     what = {"bias": "attention_bias", "scores": "output_qk", "probabilities": "output_qk", "lse": "return_lse"}[case]
     for b in dispatch.cuda_backends():
@@ -133,11 +135,11 @@ def test_cuda_core_kernel_for_the_rest(rng):
     assert "of shared memory > the device's 65536 B" in general.BACKEND.describe(p, small, GENERAL)
 
 
-@pytest.mark.parametrize("D,G,shape", [(8, 1, (1, 1)), (128, 4, (4, 1)), (256, 16, (8, 1)), (264, 4, (2, 2)),
-                                       (512, 128, (2, 2)), (576, 16, (2, 4)), (1024, 1, (1, 4))])
+@pytest.mark.parametrize("D,G,shape", [(8, 1, (1, 1)), (128, 4, (4, 1)), (256, 16, (8, 1)), (64, 3, (4, 1)),
+                                       (264, 4, (2, 4)), (512, 128, (2, 4)), (576, 16, (2, 4)), (1024, 1, (2, 4))])
 def test_cuda_core_shapes(rng, D, G, shape):
-    """(head chunk, 8-channel chunks a lane): head_size <= 256 * chunks, heads a power of two with
-    heads * chunks <= 8, every shape a registered specialization."""
+    """(head chunk, 8-channel chunks a lane): head_size <= 256 with the group's heads rounded up to a power of
+    two (at most 8), larger (LATENT) heads 4 chunks and 2 heads; every shape a registered specialization."""
     latent = D > 256
     kw = dict(latent=True, v_head_size=min(D, 512), scale=0.1, H=G) if latent else dict(H=2 * G, Hk=2, dtype="float32")
     p = problem_of(rng, q_lens=[1, 1], past=[5, 9], D=D, bias=(False, True), **kw)
@@ -255,7 +257,8 @@ def test_output_qk_byte_limit_is_checked_before_any_allocation(rng, monkeypatch)
     monkeypatch.setattr(launch, "prepare", no_allocation)
     op = cupa.PagedAttention(**attrs, options=cupa.Options(backend="general", output_qk_max_bytes=size - 1))
     with pytest.raises(cupa.PagedAttentionError, match=rf"qk_output: got 2; expected an output_qk of at most "
-                                                       rf"{size - 1} bytes \({H}\*{N}\*{cap} float32 = {size} bytes\)"):
+                                                       rf"{size - 1} bytes \(num_heads\*token_count\*kv_capacity = "
+                                                       rf"{H}\*{N}\*{cap} float32 = {size} bytes\)"):
         op(**inputs)
     at_limit = cupa.PagedAttention(**attrs, options=cupa.Options(backend="general", output_qk_max_bytes=size))
     assert at_limit.plan(**inputs).backend is general.BACKEND

@@ -268,8 +268,9 @@ def test_empty_call(cp, rng):
     assert out.shape == (0, 8 * 64) and qk.shape == (8, 0, inputs["block_table"].shape[1] * 16) and lse.shape == (0, 8)
 
 
-def test_not_chosen_by_default_until_verified(cp, rng):
-    """Without Options(backend="general") a bias call keeps raising the clear error; explain() says why."""
+def test_not_chosen_by_default_until_verified(cp, rng, monkeypatch):
+    """Unverified, without Options(backend="general") a bias call raises the clear error; explain() says why."""
+    monkeypatch.setattr(general.BACKEND, "verified", False)
     inputs, attrs = gc.build(rng, bias=(False, False))
     attrs.pop("options")
     dev = gc.to_device(cp, inputs)

@@ -47,8 +47,9 @@ MMA_THREADS = 128
 #: against the device's per-CTA limit (tests/test_general.py checks the compiled kernels stay within it).
 MMA_STATIC_SHARED = 1600
 SIMT_THREADS = 128
-#: 8-channel chunks per lane -> the head chunks the CUDA-core kernel is compiled for (GT * chunks <= 8)
-SIMT_SHAPES = {1: (1, 2, 4, 8), 2: (1, 2), 4: (1, 2)}
+#: 8-channel chunks per lane -> the head chunks the CUDA-core kernel is compiled for: head_size <= 256 with
+#: 1 to 8 heads a CTA, and (LATENT) head_size <= 1024 with 2 (registers for 4 chunks of 2 heads' Q and O)
+SIMT_SHAPES = {1: (1, 2, 4, 8), 4: (2,)}
 #: The largest head_size (and v_head_size) of the CUDA-core kernel: 4 chunks of 8 channels a lane.
 MAX_HEAD_SIZE = 32 * 8 * max(SIMT_SHAPES)
 FINISH_WARPS = 4      # mirrors general_finish.cu
@@ -98,8 +99,8 @@ def simt_shape(problem: Problem) -> tuple:
     """``(head_chunk, chunks_per_lane)`` of the CUDA-core kernel: chunks of 8 channels a lane for head_size, and
     the group's heads a CTA holds (a power of two, as many as the chunks leave registers for)."""
     cpl = next(c for c in sorted(SIMT_SHAPES) if problem.head_size <= 256 * c)
-    gt = min(types.head_chunk(problem.group_size), max(SIMT_SHAPES[cpl]))
-    return gt, cpl
+    want = types.head_chunk(problem.group_size)
+    return next((gt for gt in SIMT_SHAPES[cpl] if gt >= want), SIMT_SHAPES[cpl][-1]), cpl
 
 
 def split_plan(problem: Problem, ctas: int, sm_count: int) -> tuple:
@@ -160,6 +161,9 @@ def workspace_layout(problem: Problem, plan: dict, itemsize: int) -> dict:
 
 
 class GeneralBackend(CudaBackend):
+    """Every call, on tensor cores or CUDA cores (:func:`launch_plan`); preferred only for the features no fused
+    backend serves."""
+
     name = "general"
     verified = False
     serves = frozenset(FEATURES)
@@ -199,10 +203,10 @@ class GeneralBackend(CudaBackend):
             what = (f"CUDA cores ({why}): one CTA per (token, KV head, {plan['head_chunk']}-head chunk, split), "
                     f"{plan['chunks_per_lane']} 8-channel chunk(s) a lane")
         used = ", ".join(FEATURES[f][0] for f in features_of(p)) or "no feature beyond the fused backends'"
-        finish = ("; a finish kernel " + ("merges the splits" if plan["num_splits"] > 1 else "")
-                  + (" and " if plan["num_splits"] > 1 and p.attrs.qk_output else "")
-                  + ("writes the rest of output_qk" + (" as probabilities" if p.attrs.qk_output == 2 else "")
-                     if p.attrs.qk_output else "")) if plan["finish_grid"] else ""
+        jobs = (["merges the splits"] if plan["num_splits"] > 1 else []) + (
+            [f"writes the rest of output_qk{' as probabilities' if p.attrs.qk_output == 2 else ''}"]
+            if p.attrs.qk_output else [])
+        finish = f"; a finish kernel {' and '.join(jobs)}" if jobs else ""
         return (f"general backend on {what}; {plan['num_splits']} split(s) of {plan['chunk']} key positions; "
                 f"fused prologue first{finish}; serves {used}"
                 + ("" if self.verified else "; not yet verified on a GPU"))
@@ -256,7 +260,7 @@ class GeneralBackend(CudaBackend):
         masks = (i32(rotary_max_pos), f32(p.scale), f32(a.softcap), i32(a.local_window_size), i32(a.is_causal),
                  i32(types.QUANT_CODE[p.k_quant]), i32(types.QUANT_CODE[p.v_quant]),
                  *(i32(d) for d in bias_dims), i32(a.qk_output), i32(p.kv_capacity))
-        pointers = (POINTER,) * len(_ATTEND_POINTERS)
+        pointers = (POINTER,) * len(_ATTEND)
         if plan["kernel"] == "mma":
             spec = registry.general_mma_spec(p.dtype, p.cache_kind, p.head_size)
             scalars = (i32(p.token_count), i32(p.num_heads), i32(p.kv_num_heads), i32(p.batch_size), i32(p.num_blocks),
@@ -271,26 +275,23 @@ class GeneralBackend(CudaBackend):
         launch.ensure_shared_memory(kernel, plan["shared"])
         attend = launch.Launcher(kernel, plan["grid"], plan["block"], pointers + scalars + masks,
                                  shared_mem=plan["shared"])
-        attend_pointers = list(_ATTEND_POINTERS)
+        sources = {}
         if q_passthrough(p):
-            attend_pointers[0] = _I["query"]  # the prologue only writes K/V; the kernels read `query` itself
+            sources["q"] = _I["query"]  # the prologue only writes K/V; the kernels read `query` itself
         if p.latent:  # one cache: V is the leading v_head_size channels of the K row, k_scale describes it
-            attend_pointers[2] = _NULL
-            attend_pointers[9] = _I["k_scale"]
-        steps = [(prologue_launcher(p, device, options), _PROLOGUE_POINTERS), (attend, attend_pointers, True)]
+            sources.update(value_cache=_NULL, v_scale=_I["k_scale"])
+        steps = [(prologue_launcher(p, device, options), _PROLOGUE_POINTERS),
+                 (attend, _pointers(_ATTEND, sources), True)]
         if plan["finish_grid"] is not None:
             finish = launch.Launcher(
                 jit.get_kernel(registry.general_finish_spec(p.dtype)), plan["finish_grid"], (FINISH_WARPS * 32,),
-                (POINTER,) * len(_FINISH_POINTERS) + (
+                (POINTER,) * len(_FINISH) + (
                     i32(p.token_count), i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.v_head_size),
                     i32(p.batch_size), np.int64(p.static_kv_capacity), i32(plan["chunk"]),
                     i32(plan["num_splits"]), i32(rotary_max_pos), i32(a.local_window_size), i32(a.is_causal),
                     i32(types.QUANT_CODE[p.v_quant]), i32(bias_dims[2]), i32(bias_dims[3]), i32(a.qk_output),
                     i32(p.kv_capacity)))
-            finish_pointers = list(_FINISH_POINTERS)
-            if p.latent:
-                finish_pointers[4] = _I["k_scale"]
-            steps.append((finish, finish_pointers))
+            steps.append((finish, _pointers(_FINISH, sources)))
         r = _Recipe()
         r.launches = launch.Sequence(steps, _NPOINTERS, route=options.launch, pdl=launch.pdl_allowed(device, options))
         r.workspace = workspace_layout(p, plan, call.dev["query"].dtype.itemsize)
@@ -312,14 +313,19 @@ _NPOINTERS = len(launch.PTR_INDEX) + 7
 _I = launch.PTR_INDEX
 # The prologue: its inputs, the Q workspace, and no split counters (null).
 _PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS, _NULL)
-# paged_general_mma / paged_general_simt: q, key_cache, value_cache, cum, past, block_table, query_positions,
-# head_sink, k_scale, v_scale, attention_bias, out, output_qk, lse, part_o, part_ml
-_ATTEND_POINTERS = (_Q_WS, _I["key_cache"], _I["value_cache"], _I["cumulative_sequence_length"], _I["past_seqlens"],
-                    _I["block_table"], _I["query_positions"], _I["head_sink"], _I["k_scale"], _I["v_scale"],
-                    _I["attention_bias"], _OUT, _QK, _LSE, _PART_O, _PART_ML)
-# paged_general_finish: cum, past, query_positions, head_sink, v_scale, attention_bias, part_o, part_ml, out,
-# output_qk, lse
-_FINISH_POINTERS = (_I["cumulative_sequence_length"], _I["past_seqlens"], _I["query_positions"], _I["head_sink"],
-                    _I["v_scale"], _I["attention_bias"], _PART_O, _PART_ML, _OUT, _QK, _LSE)
+# The pointer parameters of paged_general_mma / paged_general_simt and of paged_general_finish, in order: the
+# kernel's name for each and where it comes from by default.
+_ATTEND = {"q": _Q_WS, **{n: _I[n] for n in ("key_cache", "value_cache", "cumulative_sequence_length",
+                                              "past_seqlens", "block_table", "query_positions", "head_sink",
+                                              "k_scale", "v_scale", "attention_bias")},
+           "out": _OUT, "output_qk": _QK, "lse": _LSE, "part_o": _PART_O, "part_ml": _PART_ML}
+_FINISH = {**{n: _I[n] for n in ("cumulative_sequence_length", "past_seqlens", "query_positions", "head_sink",
+                                 "v_scale", "attention_bias")},
+           "part_o": _PART_O, "part_ml": _PART_ML, "out": _OUT, "output_qk": _QK, "lse": _LSE}
+
+
+def _pointers(params: dict, sources: dict) -> tuple:
+    """The pointer-list positions of a kernel's pointer parameters, ``sources`` replacing some defaults."""
+    return tuple(sources.get(name, slot) for name, slot in params.items())
 
 BACKEND = GeneralBackend()
