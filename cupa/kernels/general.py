@@ -2,8 +2,8 @@
 
 It serves every call (every layout, cache type, head size up to :data:`MAX_HEAD_SIZE`, mask rule,
 head_sink, softcap, split) and sits last in :data:`cupa.dispatch.CUDA_BACKENDS`: it prefers only the
-calls that use a feature no fused backend serves (:data:`cupa.kernels.backend.FEATURES`), so it wins
-only where nothing else serves the call. Three launches, after the fused prologue (the cache write and
+calls that use a feature :data:`cupa.kernels.backend.FEATURES` names it the server of, so it wins only
+where nothing else serves the call. Three launches, after the fused prologue (the cache write and
 the Q workspace, :mod:`cupa.kernels.prologue`):
 
 - the attention kernel: ``paged_general_mma`` (cuda_src/general_mma.cu; tensor cores) for fp16/bf16,
@@ -185,9 +185,9 @@ class GeneralBackend(CudaBackend):
         return reasons
 
     def preferred(self, problem: Problem, device: DeviceInfo = None, options: Options = None) -> bool:
-        # Every call is served here, but a fused backend is faster where it serves: prefer only the calls that
-        # use a feature no fused backend serves.
-        return bool(features_of(problem))
+        # Every call is served here, but a fused backend is faster where it serves: prefer only the calls that use
+        # a feature this backend is the one to serve (FEATURES names who does; LATENT alone is the MLA backend's).
+        return any(FEATURES[f][1] == self.name for f in features_of(problem))
 
     def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
         p, plan = problem, launch_plan(problem, device)
