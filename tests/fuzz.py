@@ -149,7 +149,7 @@ def is_malformed(desc: dict) -> bool:
     return any(n in MALFORMED for n in desc["notes"])
 
 
-def check_one(seed: int, only=None, malformed_only: bool = False) -> dict:
+def check_one(seed: int, only=None, malformed_only: bool = False, skip=()) -> dict:
     """Run configuration ``seed`` on every serving backend (or only on ``only``); returns its log record
     (``ok`` and errors). ``malformed_only``: skip (``skipped``) configurations with well-formed data."""
     import cupy as cp
@@ -159,7 +159,7 @@ def check_one(seed: int, only=None, malformed_only: bool = False) -> dict:
     if malformed_only and not is_malformed(desc):
         record["skipped"] = True
         return record
-    names = [n for n in backends_for(inputs, attrs, metadata) if only is None or n == only]
+    names = [n for n in backends_for(inputs, attrs, metadata) if (only is None or n == only) and n not in skip]
     if not names:
         record["backends"]["(none)"] = "no CUDA backend serves it"
         return record
@@ -201,18 +201,25 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="seed of the first configuration (then +1 each)")
     ap.add_argument("--out", default=None, help="JSON log of every configuration")
     ap.add_argument("--backend", default=None, help="run only this backend (default: every one that serves)")
+    ap.add_argument("--skip", default="", help="comma-separated backends not to run")
+    ap.add_argument("--log", default=None, help="append one JSON line per configuration here, as it completes")
     ap.add_argument("--malformed", action="store_true",
                     help="only configurations with malformed data or skipped slots (for compute-sanitizer)")
     args = ap.parse_args(argv)
     records, start = [], time.perf_counter()
+    skip = tuple(n for n in args.skip.split(",") if n)
+    log = open(args.log, "a") if args.log else None
     for seed in range(args.seed, args.seed + args.n):
-        r = check_one(seed, args.backend, args.malformed)
+        r = check_one(seed, args.backend, args.malformed, skip)
         if r.get("skipped"):
             continue
         records.append(r)
+        if log is not None:
+            log.write(json.dumps(r) + "\n")
+            log.flush()
         if not r["ok"]:
             print(f"MISMATCH seed {seed}: {json.dumps(r)}", flush=True)
-        if len(records) % 100 == 0:
+        if len(records) % 25 == 0:
             bad = sum(not x["ok"] for x in records)
             print(f"{len(records)} configurations, {bad} mismatches, {time.perf_counter() - start:.0f} s", flush=True)
     bad = [r for r in records if not r["ok"]]
