@@ -40,6 +40,9 @@ _F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 #: float64 elements of one grid's scores (tokens x heads x keys): how many tokens share a grid
 SCORE_ELEMENTS = 1 << 23
+#: tokens of one grid row at most: every token of a row is scored against the keys of all of them,
+#: so a long causal row computes (then masks) about rows**2 / 2 pairs for nothing
+ROW_TOKENS = 128
 #: float64 elements of one gathered tile of keys or values (rows x keys x kv heads x head size)
 TILE_ELEMENTS = 1 << 18
 #: float64 elements of the prologue's temporaries (tokens x heads x head size)
@@ -341,14 +344,15 @@ class _Attention:
 
     # -- grids ----------------------------------------------------------------------------------
     def _rows(self, tokens: np.ndarray) -> list:
-        """Consecutive runs of one sequence's attending tokens whose scores fit SCORE_ELEMENTS."""
+        """Consecutive runs of at most ROW_TOKENS of one sequence's attending tokens whose scores fit
+        SCORE_ELEMENTS."""
         lo, hi, H = self.tok.lo[tokens], self.tok.hi[tokens], self.pb.num_heads
         rows, i, n = [], 0, tokens.size
         while i < n:                           # a row is no longer than its first token's span allows
             ahead = slice(i, min(n, i + max(1, SCORE_ELEMENTS // (H * max(1, int(hi[i] - lo[i]))))))
             span = np.maximum.accumulate(hi[ahead]) - np.minimum.accumulate(lo[ahead])
             size = np.arange(1, span.size + 1) * H * span      # non-decreasing
-            m = max(1, int(np.count_nonzero(size <= SCORE_ELEMENTS)))
+            m = min(ROW_TOKENS, max(1, int(np.count_nonzero(size <= SCORE_ELEMENTS))))
             rows.append(tokens[i:i + m])
             i += m
         return rows
