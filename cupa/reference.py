@@ -340,7 +340,7 @@ class _Attention:
         G = pb.group_size
         self.head_of = np.arange(Hk)[:, None] * G + np.arange(G)[None, :]   # (Hk, G) -> query head
         self.row_keys = Hk * max(D, Dv)            # gathered elements per key of one grid row
-        self._scores = np.empty(0)                 # reused by every grid: fresh pages cost page faults
+        self._buffers = {}
 
     # -- grids ----------------------------------------------------------------------------------
     def _rows(self, tokens: np.ndarray) -> list:
@@ -385,6 +385,15 @@ class _Attention:
         if group:
             yield _pad(group, longest)
 
+    def _buffer(self, name: str, shape: tuple) -> np.ndarray:
+        """A float64 array of ``shape`` in a buffer that every grid and tile reuses (a fresh array
+        of megabytes costs its page faults each time)."""
+        n = int(np.prod(shape))
+        buf = self._buffers.get(name)
+        if buf is None or buf.size < n:
+            buf = self._buffers[name] = np.empty(n)
+        return buf[:n].reshape(shape)
+
     def run(self) -> None:
         # NaN or Inf in an admitted row gives its tokens an unspecified result, without warnings
         with np.errstate(invalid="ignore", over="ignore"):
@@ -402,7 +411,8 @@ class _Attention:
         codes = codes[..., :width]
         if self.pb.fp8_as_bytes:
             codes = codes.view(_F8)
-        vals = codes.astype(np.float64)
+        vals = self._buffer("tile", codes.shape)               # valid until the next gather
+        np.copyto(vals, codes)
         if scale is not None:
             vals *= scale
         return vals
@@ -432,10 +442,7 @@ class _Attention:
         #    of its kv head; the scale is applied to q (a pass over q instead of one over s)
         q = self.q_T[grid].astype(np.float64).reshape(U, M, Hk, G, D) * pb.scale
         q = q.transpose(0, 2, 1, 3, 4).reshape(U, Hk, M * G, D)
-        size = U * Hk * M * G * Kc
-        if self._scores.size < size:
-            self._scores = np.empty(size)
-        s = self._scores[:size].reshape(U, Hk, M * G, Kc)
+        s = self._buffer("scores", (U, Hk, M * G, Kc))
         for k0 in range(0, Kc, tile):
             t = slice(k0, k0 + tile)
             keys = self.gather(self.key_rows, slots[:, t], needed[:, t], self.k_scale, D)
