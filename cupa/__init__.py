@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "paged_attention", "PagedAttention", "PagedAttentionError", "Options", "Attributes", "Problem",
     "rope_cache", "compute_scale", "quantize", "dequantize", "capture_graph",
-    "CapturedGraph", "GraphCaptureError", "__version__",
+    "CapturedGraph", "GraphCaptureError", "serving", "__version__",
 ]
 
 
@@ -25,4 +25,8 @@ def __getattr__(name):
         from . import graphs
 
         return getattr(graphs, name)
+    if name == "serving":
+        import importlib
+
+        return importlib.import_module(".serving", __name__)
     raise AttributeError(f"module 'cupa' has no attribute {name!r}")

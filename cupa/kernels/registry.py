@@ -3,9 +3,11 @@
 Each backend lists the specializations it can launch (``BACKEND.specializations()``);
 :func:`all_specializations` collects them, so ``python -m cupa.compile --check`` compiles exactly
 what can run. Head size, GQA group and block size are run-time
-parameters of the decode kernel; T, the cache type and the head chunk are template values.
-The prefill kernel is specialized on T, the cache type and the head size (its tile shape). The
-wgmma prefill (sm_90a only) is pinned to its arch: ``Specialization.arch``.
+parameters of the CUDA-core decode kernel; T, the cache type and the head chunk are template values.
+The tensor-core decode kernel is specialized on T, the cache type, the head size, its pipeline depth
+and its loop (keys as the MMA's M dimension or not); the prefill kernel on T, the cache type, the head
+size and its tile (query rows x keys). The wgmma prefill (sm_90a only) is pinned to its arch:
+``Specialization.arch``.
 """
 
 from __future__ import annotations
@@ -25,24 +27,46 @@ def decode_spec(dtype: str, cache_kind: str, head_chunk: int) -> Specialization:
     return Specialization("decode", f"paged_decode<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_chunk}>")
 
 
-def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, keys_as_m: bool = False) -> Specialization:
-    """``keys_as_m``: the 8-bit caches' loop with keys as the MMA's M dimension (GQA groups of <= 8 heads)."""
+def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, stages: int, keys_as_m: bool = False) -> Specialization:
+    """``stages``: the K/V pipeline depth (STAGES in decode_mma.cu); ``keys_as_m``: the 8-bit caches' loop with
+    keys as the MMA's M dimension (GQA groups of <= 8 heads)."""
     return Specialization(
-        "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>",
-        ("-DCUPA_MMA8_T=1",) if keys_as_m else ())
+        "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, "
+                      f"{stages}, {'true' if keys_as_m else 'false'}>")
 
 
-def prefill_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
+def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple) -> Specialization:
+    """``tile``: (query rows, keys) of a CTA's tile (PrefillConfig in prefill.cu)."""
+    rows, keys = tile
     return Specialization(
-        "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
+        "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, {rows}, {keys}>")
 
 
 def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:
-    """The warp-specialized persistent wgmma prefill (producer warpgroup + two consumer warpgroups, setmaxnreg),
-    pinned to sm_90a: compiled offline and loaded as a cubin."""
+    """The warp-specialized persistent wgmma prefill (producer warpgroup + two consumer warpgroups, setmaxnreg;
+    T caches only), pinned to sm_90a: compiled offline and loaded as a cubin."""
     return Specialization(
         "prefill_wgmma_ws", f"paged_prefill_wgmma_ws<{types.act(dtype)}, {types.cache('T', dtype)}, {head_size}>",
         arch="sm_90a")
+
+
+def general_mma_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
+    """The general backend's tensor-core kernel (attention_bias, output_qk, lse; cuda_src/general_mma.cu)."""
+    return Specialization(
+        "general_mma", f"paged_general_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
+
+
+def general_simt_spec(dtype: str, cache_kind: str, head_chunk: int, chunks_per_lane: int) -> Specialization:
+    """The general backend's CUDA-core kernel: ``head_chunk`` query heads a CTA, ``chunks_per_lane`` 8-channel
+    chunks a lane (head_size <= 256 * chunks_per_lane; cuda_src/general_simt.cu)."""
+    return Specialization(
+        "general_simt",
+        f"paged_general_simt<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_chunk}, {chunks_per_lane}>")
+
+
+def general_finish_spec(dtype: str) -> Specialization:
+    """The general backend's split merge and output_qk pass (cuda_src/general_finish.cu)."""
+    return Specialization("general_finish", f"paged_general_finish<{types.act(dtype)}>")
 
 
 def all_specializations() -> list:
@@ -53,3 +77,15 @@ def all_specializations() -> list:
     for backend in dispatch.cuda_backends():
         specs.extend(backend.specializations())
     return list(dict.fromkeys(specs))
+
+
+def mla_mma_spec(dtype: str, cache_kind: str, rows: int, keys: int) -> Specialization:
+    """The portable absorbed-MLA kernel (mma.sync): ``rows`` (16, 64) per tile, ``keys`` (32, 64) per key tile."""
+    return Specialization(
+        "mla_mma", f"paged_mla_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {rows}, {keys}>")
+
+
+def mla_wgmma_spec(dtype: str) -> Specialization:
+    """The Hopper absorbed-MLA kernel (wgmma, T caches), pinned to sm_90a."""
+    return Specialization("mla_wgmma", f"paged_mla_wgmma<{types.act(dtype)}, {types.cache('T', dtype)}>",
+                          arch="sm_90a")
