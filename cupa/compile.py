@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from .jit import OfflineResult, Specialization, compile_offline, cuda_include_dirs, nvrtc_version
 
-DEFAULT_ARCHS = ("sm_80", "sm_90")
+DEFAULT_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 
 
 class RegistryUnavailable(RuntimeError):
