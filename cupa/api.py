@@ -7,7 +7,7 @@ import operator
 from typing import Any
 
 from . import arrays, dispatch
-from .contract import INPUT_NAMES, Attributes, Problem, metadata_values, validate
+from .contract import INPUT_NAMES, Attributes, Problem, metadata_values, validate, validate_data
 from .errors import PagedAttentionError, fail
 from .options import Options, resolve as _resolve_options
 
@@ -21,6 +21,9 @@ _ALL_NONE = dict.fromkeys(INPUT_NAMES)
 #: plan memo entries kept per op (the memo is cleared when full)
 _MEMO_SIZE = 64
 _GET_TENSORS = operator.itemgetter(*_TENSOR_INPUTS)
+#: the inputs whose values Options(validate_data=True) checks (contract.validate_data)
+_DATA_CHECKED = ("cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping", "query_positions",
+                 "k_scale", "v_scale")
 
 
 def _describe(name: str, x):
@@ -185,6 +188,8 @@ class PagedAttention:
         plan = entry[1]
         if plan is None:
             plan = entry[1] = dispatch.make_plan(entry[0], inputs, self.options)
+        if self.options.validate_data:
+            validate_data(plan.problem, {name: arrays.to_host(inputs[name]) for name in _DATA_CHECKED})
         return plan.backend.run(plan, inputs, out, stream)
 
 

@@ -701,6 +701,21 @@ def host_view(x, name: str, cache: bool = False) -> np.ndarray:
     return view
 
 
+def to_host(x) -> Optional[np.ndarray]:
+    """A NumPy copy (device arrays: copied back, which synchronizes) or view (host arrays) of ``x``;
+    None stays None. For debugging checks only: never on a call's hot path."""
+    if x is None:
+        return None
+    if placement(x) == "host":
+        return host_view(x, "input")
+    lib = library_of(x)
+    if lib == "cupy":
+        return x.get()
+    if lib == "torch":
+        return x.detach().cpu().numpy()
+    return _cp().asnumpy(_cp().from_dlpack(x))
+
+
 def host_out(out, like, shape: tuple, dtype: np.dtype) -> Optional[np.ndarray]:
     """The NumPy view of a preallocated CPU ``out`` in the library of ``like`` (None stays None),
     checked for library, shape, dtype, contiguity and writeability (PagedAttentionError naming ``out``)."""

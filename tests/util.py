@@ -28,7 +28,7 @@ T_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bflo
             "float32": np.dtype(np.float32)}
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 #: contract §6: ||out - ref|| / ||ref|| for CUDA backends against the reference
-REL_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}
+from cupa.contract import TOLERANCE as REL_TOL  # noqa: E402  (the one tolerance table, contract §6)
 #: mantissa bits and minimum normal exponent of each T (for ulp bounds)
 _MANT = {"float16": (10, -14), "bfloat16": (7, -126), "float32": (23, -126)}
 #: cache kinds accepted by make_case
