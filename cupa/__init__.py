@@ -9,12 +9,13 @@ from .contract import Attributes, Problem
 from .errors import PagedAttentionError
 from .helpers import compute_scale, dequantize, quantize, rope_cache
 from .options import Options
+from .states import merge_states
 
 __version__ = "0.1.0"
 
 __all__ = [
     "paged_attention", "PagedAttention", "PagedAttentionError", "Options", "Attributes", "Problem",
-    "rope_cache", "compute_scale", "quantize", "dequantize", "capture_graph",
+    "rope_cache", "compute_scale", "quantize", "dequantize", "merge_states", "capture_graph",
     "CapturedGraph", "GraphCaptureError", "__version__",
 ]
 

@@ -281,6 +281,7 @@ class DenseResult:
     value_cache: Optional[np.ndarray]
     written: np.ndarray            # (N,) bool: the token wrote its K/V
     valid: np.ndarray              # (N,) bool: the token belongs to a valid sequence and is itself valid
+    lse: Optional[np.ndarray] = None  # (N, H) float64: ln sum exp(score) over admitted keys, sink left out
 
 
 def _quantize_plain(x_T, scale, kind):
@@ -454,6 +455,7 @@ def dense_attention(case: Case) -> DenseResult:
 
     # --- reads ---
     out = np.zeros((N, H, Dv))
+    lse = np.full((N, H), -np.inf)
     qk = np.zeros((H, N, kvcap)) if qk_mode else None
     bias = inp["attention_bias"]
     sink = inp["head_sink"]
@@ -490,6 +492,7 @@ def dense_attention(case: Case) -> DenseResult:
             if softcap > 0:
                 s = softcap * np.tanh(s / softcap)
             m = s.max()
+            lse[t, h] = m + math.log(float(np.exp(s - m).sum()))
             if sink is not None:
                 m = max(m, float(sink[h]))
             e = np.exp(s - m)
@@ -501,7 +504,7 @@ def dense_attention(case: Case) -> DenseResult:
                     if k < kvcap:
                         qk[h, t, k] = s[i] if qk_mode == 1 else prob[i]
     valid = np.array([i["valid"] for i in toks], dtype=bool)
-    return DenseResult(out.reshape(N, H * Dv), qk, kc, vc, written, valid)
+    return DenseResult(out.reshape(N, H * Dv), qk, kc, vc, written, valid, lse)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -638,3 +641,27 @@ def check_against_reference(ref_case: Case, ref_result, out, key_cache, value_ca
     if ref_qk is not None:
         assert output_qk is not None and np.asarray(output_qk).shape == ref_qk.shape
         assert_rel(output_qk, ref_qk, dt, what="output_qk")
+
+
+# ------------------------------------------------------------------------------------------------
+# key shards: block tables that map disjoint key ranges
+
+def shard_block_tables(rng, block_table, num_shards, how="ranges"):
+    """``num_shards`` block tables that together map exactly the entries of ``block_table``, each entry in
+    one table (the others hold -1 there): the keys of every sequence split into disjoint shards.
+
+    ``how="ranges"`` cuts each row at random block boundaries into consecutive ranges (some empty);
+    ``"scatter"`` gives each entry to a random shard. With block_size 1 a cut can fall at any position.
+    """
+    bt = np.asarray(block_table)
+    B, MB = bt.shape
+    tables = [np.full_like(bt, -1) for _ in range(num_shards)]
+    for b in range(B):
+        if how == "ranges":
+            edges = [0, *np.sort(rng.integers(0, MB + 1, size=num_shards - 1)), MB]
+            owner = np.repeat(np.arange(num_shards), np.diff(edges))
+        else:
+            owner = rng.integers(0, num_shards, size=MB)
+        for s in range(num_shards):
+            tables[s][b, owner == s] = bt[b, owner == s]
+    return tables

@@ -5,7 +5,8 @@ Each backend lists the specializations it can launch (``BACKEND.specializations(
 what can run. Head size, GQA group and block size are run-time
 parameters of the decode kernel; T, the cache type and the head chunk are template values.
 The prefill kernel is specialized on T, the cache type and the head size (its tile shape). The
-wgmma prefill (sm_90a only) is pinned to its arch: ``Specialization.arch``.
+wgmma prefill (sm_90a only) is pinned to its arch: ``Specialization.arch``. The merge of attention
+states (cuda_src/states.cu) is specialized on T, the sink's type and the vector width.
 """
 
 from __future__ import annotations
@@ -45,11 +46,24 @@ def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:
         arch="sm_90a")
 
 
+def merge_states_spec(dtype: str, sink_dtype: str, vec: int) -> Specialization:
+    """The merge of attention states (cupa.merge_states); ``vec``: channels per lane access (8 or 1)."""
+    return Specialization("states", f"merge_states<{types.act(dtype)}, {types.act(sink_dtype)}, {vec}>")
+
+
+def cascade_inputs_spec() -> Specialization:
+    """The index arrays of a cascade step (cupa.CascadeAttention)."""
+    return Specialization("states", "cascade_inputs")
+
+
 def all_specializations() -> list:
-    """Every specialization a CUDA backend can launch (each backend lists its own), without repeats."""
+    """Every specialization cupa can launch (each backend lists its own, then the attention-state
+    kernels of :mod:`cupa.kernels.states`), without repeats."""
     from .. import dispatch
+    from . import states
 
     specs = []
     for backend in dispatch.cuda_backends():
         specs.extend(backend.specializations())
+    specs.extend(states.specializations())
     return list(dict.fromkeys(specs))
