@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cupa
-from tests.util import (REL_TOL, T_DTYPES, assert_rel, dense_attention, make_case, rel_err,
+from tests.util import (REL_TOL, T_DTYPES, assert_lse_close, assert_rel, dense_attention, make_case, rel_err,
                         shard_block_tables)
 
 #: features that compose with key shards (make_case keywords)
@@ -39,16 +39,6 @@ FEATURES = {
 LENGTHS = dict(q_lens=(3, 0, 5, 1, 2), past=(7, 4, 0, 18, 30))
 
 
-def _lse_close(got, want, what="lse"):
-    """float32 lse against a reference: -inf exactly where the reference is, else within float32 rounding."""
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    empty = np.isneginf(want)
-    assert np.array_equal(np.isneginf(got), empty), f"{what}: -inf at other places than the reference"
-    assert np.all(np.isfinite(got[~empty])), f"{what}: non-finite values"
-    np.testing.assert_allclose(got[~empty], want[~empty], rtol=2e-6, atol=2e-6, err_msg=what)
-
-
 def _run_shards(case, tables, **extra):
     """The shard calls on one set of inputs (one cache): no head_sink, return_lse, one block table each."""
     outs, lses = [], []
@@ -69,7 +59,7 @@ def _check_merged(case, ref, merged, merged_lse):
     assert merged_lse.dtype == np.float32 and merged_lse.shape == ref_lse.shape
     assert np.all(np.isfinite(merged.astype(np.float32))), "merged output has non-finite values"
     assert_rel(merged, ref_out, case.dtype, what="merged output")
-    _lse_close(merged_lse, ref_lse)
+    assert_lse_close(merged_lse, ref_lse)
     H = ref_lse.shape[1]
     empty = np.isneginf(ref_lse)
     rows = merged.astype(np.float32).reshape(merged.shape[0], H, -1)
@@ -99,7 +89,7 @@ def test_reference_lse_is_the_brute_force_log_sum_exp(rng, feature):
     case = make_case(rng, block_size=4, **LENGTHS, **FEATURES[feature])
     dense = dense_attention(case)
     out, lse = case.copy().run(return_lse=True)
-    _lse_close(lse, dense.lse)
+    assert_lse_close(lse, dense.lse)
     assert np.array_equal(np.isneginf(lse), ~np.isfinite(dense.lse))
 
 
@@ -169,7 +159,7 @@ def test_merge_matches_the_formula(rng, dtype, S, with_sink):
     got, got_lse = cupa.merge_states(outs, lses, head_sink=sink)
     assert got.dtype == T_DTYPES[dtype] and got_lse.dtype == np.float32
     np.testing.assert_array_equal(got, want.astype(T_DTYPES[dtype]))   # float64 arithmetic, one rounding
-    _lse_close(got_lse, want_lse)
+    assert_lse_close(got_lse, want_lse)
     stacked, stacked_lse = cupa.merge_states(np.stack(outs), np.stack(lses), head_sink=sink)
     assert np.array_equal(stacked, got) and np.array_equal(stacked_lse, got_lse)
 
@@ -207,7 +197,7 @@ def test_merge_is_associative_without_sink(rng):
     nested = cupa.merge_states([ab[0], *outs[2:]], [ab[1], *lses[2:]], head_sink=sink)
     flat = cupa.merge_states(outs, lses, head_sink=sink)
     assert rel_err(nested[0], flat[0]) < REL_TOL["float32"]
-    _lse_close(nested[1], flat[1])
+    assert_lse_close(nested[1], flat[1])
 
 
 def test_merge_torch_cpu_tensors_in_and_out(rng):
