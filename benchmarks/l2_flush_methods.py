@@ -1,9 +1,9 @@
-"""How the way L2 is made cold changes a timed decode call (SPEC section 7: rotate inputs larger than
+"""How the way L2 is made cold changes a timed decode call (contract §7: rotate inputs larger than
 L2, or flush it). Three ways, each timing the same calls:
 
-- ``memset``: a 2 GiB memset before each run (the benchmarks' flush in sessions 1-9). L2 ends up full
+- ``memset``: a 2 GiB memset before each run (``python -m cupa.bench --flush memset``). L2 ends up full
   of dirty lines, which the timed call's reads evict: their write-back to DRAM lands inside the call.
-- ``read``: a 2 GiB write, then a 2 GiB read before each run (the benchmarks' flush now): L2 cold
+- ``read``: a 2 GiB write, then a 2 GiB read before each run (``cupa.bench``'s default flush): L2 cold
   and clean.
 - ``rotate``: no flush; two input sets, each larger than L2, used in turn, with a 0.4 ms spin kernel
   before each run so that the host's enqueue time stays outside the timed region.
@@ -24,11 +24,12 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cupa  # noqa: E402
-from bench_decode import make_case  # noqa: E402
-from common import Timer, environment, write_json  # noqa: E402
+from cupa.bench.cases import build, decode  # noqa: E402
+from cupa.bench.report import write_json  # noqa: E402
+from cupa.bench.runtime import cuda_environment  # noqa: E402
+from cupa.bench.timing import Timer  # noqa: E402
 
 _SPIN = r"""
 extern "C" __global__ void spin(long long ns) {
@@ -71,19 +72,15 @@ def main(argv=None):
     for B, L, cache in ((64, 4096, "int8"), (64, 4096, "fp8"), (8, 8192, "float16"), (64, 4096, "float16")):
         calls, probes, keep = [], [], []
         for seed in (0, 1):
-            case = make_case(cp, B, L, 32, 8, 128, 16, cache, rng_seed=seed)
-            extra = dict(case["extra"])
-            scales = {k: extra.pop(k) for k in ("k_scale", "v_scale") if k in extra}
-            op = cupa.PagedAttention(num_heads=32, kv_num_heads=8, **extra)
-            md = np.array([1, L], dtype=np.int32)
-            out = cp.empty_like(case["q"])
-            calls.append(lambda c=case, op=op, md=md, out=out, s=scales: op(
-                c["q"], c["k"], c["v"], c["kc"], c["vc"], c["cum"], c["past"], c["bt"],
-                attention_metadata=md, out=out, **s))
-            x = cp.ones(case["kv_bytes"], dtype=cp.uint8)
+            built = build(decode(B, L, cache={"float16": "T"}.get(cache, cache)), cp, seed=seed)
+            op = cupa.PagedAttention(**built.attributes)
+            inputs = built.call_inputs()
+            out = cp.empty_like(inputs["query"])
+            calls.append(lambda op=op, x=inputs, out=out: op(**x, out=out))
+            x = cp.ones(built.case.kv_bytes(), dtype=cp.uint8)
             probes.append(lambda x=x: timer.probe(x))
-            keep.append((case, x))
-        row = {"B": B, "L": L, "cache": cache, "kv_bytes": keep[0][0]["kv_bytes"],
+            keep.append((built, x))
+        row = {"B": B, "L": L, "cache": cache, "kv_bytes": keep[0][0].case.kv_bytes(),
                "cupa_us": three_ways(calls), "read_probe_us": three_ways(probes)}
         if cache == "float16":
             try:
@@ -107,7 +104,7 @@ def main(argv=None):
         print(row, flush=True)
         del calls, probes, keep
         cp.get_default_memory_pool().free_all_blocks()
-    write_json(args.out, {"benchmark": "l2_flush_methods", "environment": environment(cp), "results": rows})
+    write_json(args.out, {"benchmark": "l2_flush_methods", "environment": cuda_environment(cp), "results": rows})
 
 
 if __name__ == "__main__":

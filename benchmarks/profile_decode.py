@@ -7,13 +7,10 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cupa  # noqa: E402
-from bench_decode import make_case  # noqa: E402
+from cupa.bench.cases import build, decode  # noqa: E402
 
 
 def main():
@@ -22,22 +19,20 @@ def main():
     ap.add_argument("--L", type=int, default=4096)
     ap.add_argument("--H", type=int, default=32)
     ap.add_argument("--Hk", type=int, default=8)
-    ap.add_argument("--cache", default="float16")
+    ap.add_argument("--cache", default="T", choices=("T", "int8", "fp8"))
+    ap.add_argument("--quant", default="PER_CHANNEL", choices=("PER_CHANNEL", "PER_TENSOR"))
     ap.add_argument("--calls", type=int, default=3)
     args = ap.parse_args()
     import cupy as cp
 
-    case = make_case(cp, args.B, args.L, args.H, args.Hk, 128, 16, args.cache)
-    extra = dict(case["extra"])
-    scales = {k: extra.pop(k) for k in ("k_scale", "v_scale") if k in extra}
-    op = cupa.PagedAttention(num_heads=args.H, kv_num_heads=args.Hk, **extra)
-    md = np.array([1, args.L], dtype=np.int32)
+    built = build(decode(args.B, args.L, num_heads=args.H, kv_num_heads=args.Hk, cache=args.cache,
+                         quant=args.quant), cp)
+    op = cupa.PagedAttention(**built.attributes)
+    inputs = built.call_inputs()
     for _ in range(args.calls):
-        op(case["q"], case["k"], case["v"], case["kc"], case["vc"], case["cum"], case["past"], case["bt"],
-           attention_metadata=md, **scales)
+        op(**inputs)
     cp.cuda.get_current_stream().synchronize()
-    print(op.explain(case["q"], case["k"], case["v"], case["kc"], case["vc"], case["cum"], case["past"],
-                     case["bt"], attention_metadata=md, **scales))
+    print(op.explain(**inputs))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,10 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cupa  # noqa: E402
-from bench_prefill import H, HK, make_case  # noqa: E402
+from cupa.bench.cases import build, chunked, prefill  # noqa: E402
 
 
 def main():
@@ -23,18 +20,20 @@ def main():
     ap.add_argument("--past", type=int, default=0)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--cache", default="T")
+    ap.add_argument("--cache", default="T", choices=("T", "int8", "fp8"))
     ap.add_argument("--calls", type=int, default=2)
     args = ap.parse_args()
     import cupy as cp
 
-    inputs, attrs = make_case(cp, args.B, args.q, args.past, args.block, args.dtype, args.cache)
-    op = cupa.PagedAttention(num_heads=H, kv_num_heads=HK, **attrs)
-    md = np.array([args.q, args.past + args.q], dtype=np.int32)
+    kw = dict(block_size=args.block, dtype=args.dtype, cache=args.cache)
+    case = chunked(args.B, args.past, args.q, **kw) if args.past else prefill(args.B, args.q, **kw)
+    built = build(case, cp)
+    op = cupa.PagedAttention(**built.attributes)
+    inputs = built.call_inputs()
     for _ in range(args.calls):
-        op(**inputs, attention_metadata=md)
+        op(**inputs)
     cp.cuda.get_current_stream().synchronize()
-    print(op.explain(**inputs, attention_metadata=md))
+    print(op.explain(**inputs))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Undersized attention_metadata bounds under compute-sanitizer: work may be omitted, memory stays safe.
 
-SPEC 4.5: a max_kv_len_bound (or max_query_len_bound) smaller than a length reached during a replay
+contract §4.5: a max_kv_len_bound (or max_query_len_bound) smaller than a length reached during a replay
 breaks the contract -- the result may omit work -- but must never cause an out-of-bounds access. This
 script captures decode steps with deliberately undersized bounds and replays them while the sequences
 grow far past the bound (and eager calls with the same bounds), over both decode kernels (tensor-core

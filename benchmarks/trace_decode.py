@@ -4,8 +4,8 @@ A copy of ``cuda_src`` whose ``decode_mma.cu`` is instrumented -- thread 0 of ev
 ``%globaltimer`` at entry, after ``griddepcontrol.wait``, when its first tile is ready, at the end
 of its key loop, after its rows are stored and at exit, and its SM id -- replaces the library's
 sources for this process only (``jit.SOURCE_DIR``; the package is untouched). One call of a
-bench_decode shape is timed (CUDA events, L2 flushed, median of ``--reps``), then one more call is
-traced and summarized: quantiles (0, 10, 50, 90, 100%) across CTAs of each event in us after the
+decode shape is timed (``cupa.bench``'s timer: CUDA events, L2 flushed, median of ``--reps``), then
+one more call is traced and summarized: quantiles (0, 10, 50, 90, 100%) across CTAs of each event in us after the
 first CTA's entry, of each CTA's key-loop time and of its merge time (stored -> exit), CTAs per SM,
 when each SM's last CTA ended, and the loop times and exits of the CTAs grouped by how many CTAs
 their SM ran. ``--raw FILE.npy`` also saves every CTA's timestamps (ns) and SM id.
@@ -14,7 +14,8 @@ their SM ran. ``--raw FILE.npy`` also saves every CTA's timestamps (ns) and SM i
 
 ``--decode-only`` drops the prologue launch (the decode kernel alone; its results are then not the
 attention of the call). The instrumented kernel is a little slower than the library's (two global
-stores per CTA and event): compare its timings with each other, and the call times with bench_decode.
+stores per CTA and event): compare its timings with each other, and the call times with
+``python -m cupa.bench``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cupa  # noqa: E402
 from cupa import jit  # noqa: E402
@@ -144,8 +144,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import cupy as cp
 
-    from bench_decode import make_case
-    from common import Timer
+    from cupa.bench.cases import build, decode as decode_case
+    from cupa.bench.timing import Timer
 
     tmp = tempfile.mkdtemp(prefix="cupa_trace_")
     jit.SOURCE_DIR = Path(instrumented_sources(tmp))
@@ -163,16 +163,14 @@ def main(argv=None):
         decode.launch.Sequence = lambda steps, n: sequence(steps[1:], n)
     try:
         timer = Timer(cp)
-        case = make_case(cp, args.B, args.L, args.H, args.Hk, 128, 16, args.cache)
-        extra = dict(case["extra"])
-        scales = {k: extra.pop(k) for k in ("k_scale", "v_scale") if k in extra}
-        op = cupa.PagedAttention(num_heads=args.H, kv_num_heads=args.Hk, **extra)
-        md = np.array([1, args.L], dtype=np.int32)
-        out = cp.empty_like(case["q"])
+        cache = {"float16": "T", "int8": "int8", "fp8": "fp8"}[args.cache]
+        built = build(decode_case(args.B, args.L, num_heads=args.H, kv_num_heads=args.Hk, cache=cache), cp)
+        op = cupa.PagedAttention(**built.attributes)
+        inputs = built.call_inputs()
+        out = cp.empty_like(inputs["query"])
 
         def call():
-            op(case["q"], case["k"], case["v"], case["kc"], case["vc"], case["cum"], case["past"], case["bt"],
-               attention_metadata=md, out=out, **scales)
+            op(**inputs, out=out)
 
         timed = timer.time_us(call, reps=args.reps)
         kernel_modules = [m for name, m in modules if name.startswith("paged_decode_mma")]

@@ -1,4 +1,4 @@
-// The paged-KV accessor and the per-token rules of SPEC 4.4, shared by every kernel.
+// The paged-KV accessor and the per-token rules of contract §4.4, shared by every kernel.
 // Every per-step quantity is read on the device from cum / past_seqlens / block_table;
 // host values only size launches. All index arithmetic that can overflow int32 is 64-bit.
 #pragma once
@@ -105,7 +105,7 @@ CUPA_DEVICE int physical_block(const int* block_table, int max_blocks, int num_b
   return (blk >= 0 && blk < num_blocks) ? blk : -1;
 }
 
-// Write slot of a valid token, or -1 to skip the write (SPEC 4.1, 4.4).
+// Write slot of a valid token, or -1 to skip the write (contract §4.1, 4.4).
 CUPA_DEVICE long long write_slot(const TokenInfo& info, int t, const int* slot_mapping, const int* block_table,
                                  int max_blocks, int num_blocks, int block_size) {
   const long long slots = (long long)num_blocks * block_size;
@@ -117,7 +117,7 @@ CUPA_DEVICE long long write_slot(const TokenInfo& info, int t, const int* slot_m
   return blk < 0 ? -1 : (long long)blk * block_size + info.pos % block_size;
 }
 
-// Admitted key range [lo, hi) of a valid token before block masking (SPEC 4.2).
+// Admitted key range [lo, hi) of a valid token before block masking (contract §4.2).
 CUPA_DEVICE void key_range(const TokenInfo& info, int is_causal, int window, int& lo, int& hi) {
   hi = info.kv_len;
   if (is_causal && info.pos + 1 < hi) hi = info.pos + 1;

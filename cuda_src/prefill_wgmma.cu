@@ -15,7 +15,7 @@
 // filled); row offsets are computed one tile ahead exactly as prefill.cu does. Before a barrier
 // publishes a landed tile, each thread runs fence.proxy.async so that its generic-proxy writes are
 // visible to wgmma's async-proxy reads.
-// Masking, online softmax (log2 domain, ex2), softcap, sink, window, query_positions, SPEC 4.4
+// Masking, online softmax (log2 domain, ex2), softcap, sink, window, query_positions, contract §4.4
 // rules, the tile numbering over a ragged batch, heaviest-first order and the zero pass are
 // prefill.cu's, line for line; only the skip test is per warpgroup (wgmma is warpgroup-collective,
 // so a skipped tile must be skipped by all four warps of a warpgroup) instead of per warp.

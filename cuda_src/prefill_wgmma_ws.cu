@@ -1,5 +1,5 @@
 // Paged prefill on Hopper, warp-specialized and persistent (sm_90a only): fp16/bf16 T, T caches,
-// head_size 128. The contract, tile numbering, masking and SPEC 4.4 rules of paged_prefill_wgmma
+// head_size 128. The contract, tile numbering, masking and contract §4.4 rules of paged_prefill_wgmma
 // (prefill_wgmma.cu); what changes is who does what, and when.
 //
 // One CTA per SM (512 threads, ~200 KB of shared memory) loops over the work items (row tile x, KV

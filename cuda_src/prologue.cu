@@ -1,4 +1,4 @@
-// Fused prologue (SPEC 4.1): one pass over the new tokens.
+// Fused prologue (contract §4.1): one pass over the new tokens.
 // A CTA owns tokens_per_cta consecutive packed tokens (1 unless there are many) and every
 // gridDim.y-th group of 4 of their head rows: the H query heads (unless the attention kernel reads
 // an untransformed query itself), then the Hk key heads, then the Hk value heads (none in LATENT).

@@ -1,4 +1,4 @@
-// Cache element kinds and the quantization rule (SPEC 4.1), written once for every kernel.
+// Cache element kinds and the quantization rule (contract §4.1), written once for every kernel.
 // A quantized cache stores code = saturate(round_half_even(float32(x_T) * float32(1/scale)));
 // it is read back as code * scale. Scales are float32, (1,) PER_TENSOR or (Hk, 1, D) PER_CHANNEL.
 #pragma once

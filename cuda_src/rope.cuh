@@ -1,5 +1,5 @@
 // QK-norm and RoPE on one head row staged in shared memory as floats, processed by one warp.
-// Order (SPEC 4.1): RMSNorm (fp32 sums) then RoPE; the caller rounds to T afterwards.
+// Order (contract §4.1): RMSNorm (fp32 sums) then RoPE; the caller rounds to T afterwards.
 #pragma once
 #include "common.cuh"
 

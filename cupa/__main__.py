@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-#: Relative-error bound per T (SPEC section 6): ||out - ref|| / ||ref||.
+#: Relative-error bound per T (contract §6): ||out - ref|| / ||ref||.
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}
 
 
@@ -94,7 +94,13 @@ def info_lines() -> list:
                                          f"{mem:.0f} GiB"))
             except Exception as exc:
                 rows.append((f"  [{i}]", f"unreadable ({_short(exc)})"))
-    rows.append(("CUDA backends", _cuda_backend_names()))
+    rows.append(("CUDA backends", _cuda_backend_names(cupy is not None and _usable_devices(cupy))))
+    try:
+        from cupa import jit
+
+        rows.append(("CUDA headers", jit.cuda_include_dirs()[0] + " (for kernels pinned to sm_90a)"))
+    except Exception as exc:
+        rows.append(("CUDA headers", f"not found ({_short(exc)})"))
     rows.append(("kernel cache", kernel_cache_dir()))
     width = max(len(k) for k, _ in rows)
     return [f"{k:<{width}}  {v}" for k, v in rows]
@@ -105,14 +111,24 @@ def _installed_cupy_dist() -> str:
     return ", ".join(found) or "source build"
 
 
-def _cuda_backend_names() -> str:
+def _usable_devices(cupy) -> bool:
     try:
-        from cupa.kernels import registry
+        return bool(cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0)
+    except Exception:  # no driver
+        return False
 
-        names = [b.name for b in registry.backends()]
+
+def _cuda_backend_names(usable: bool) -> str:
+    try:
+        from cupa import dispatch
+
+        backends = dispatch.cuda_backends()
     except Exception as exc:
         return f"unavailable ({_short(exc)})"
-    return ", ".join(names) if names else "none registered"
+    names = ", ".join(b.name + ("" if b.verified else " (not yet verified on a GPU)") for b in backends)
+    if not usable:
+        return f"none usable here (CuPy and a CUDA device are needed; device inputs would run: {names})"
+    return names
 
 
 def _short(exc: BaseException) -> str:
@@ -378,7 +394,7 @@ def _non_negative(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cupa", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,info}")
     demo = sub.add_parser("demo", help="prefill + decode on a small model, checked against dense attention",
                           description="Paged prefill followed by decode steps (GQA 8/2 heads, head 64, "
                                       "block 16, 3 ragged sequences, RoPE), checked against dense float64 "
@@ -395,7 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     return args.func(args)
 
 

@@ -75,7 +75,7 @@ class PagedAttention:
     num_heads, kv_num_heads : int
         H and Hk; ``num_heads % kv_num_heads == 0``.
     **attributes
-        The other attributes of SPEC section 3 (``scale``, ``softcap``, ``local_window_size``,
+        The other attributes of contract §3 (``scale``, ``softcap``, ``local_window_size``,
         ``is_causal``, ``do_rotary``, ``rotary_interleaved``, ``rotary_offset``, ``qk_norm_epsilon``,
         ``k_quant_type``, ``v_quant_type``, ``k_cache_dtype``, ``v_cache_dtype``, ``kv_cache_layout``,
         ``v_head_size``, ``qk_output``) with ONNX Runtime's defaults, and the cupa extension

@@ -7,7 +7,7 @@ NumPy arrays run the reference backend; CuPy arrays and CUDA arrays exposing ``_
 The CUDA backends see CuPy arrays only. One call goes::
 
     stream = arrays.resolve_stream(stream, query)          # the caller's current stream by default
-    dev, device = arrays.device_arrays(inputs, stream)     # zero-copy CuPy views, SPEC 5 checks
+    dev, device = arrays.device_arrays(inputs, stream)     # zero-copy CuPy views, contract §5 checks
     view = arrays.check_out(out, shape, dtype, query, device) if out is not None \\
         else arrays.empty_output(shape, dtype, query, device)
     ... launch on ``stream`` into ``view`` ...
@@ -389,7 +389,7 @@ def resolve_stream(stream=None, query=None):
 
 def device_arrays(inputs: Mapping[str, Any], stream=None, *, skip=("attention_metadata",),
                   caches=CACHE_NAMES) -> tuple:
-    """Zero-copy CuPy views of every device input, checked against SPEC section 5.
+    """Zero-copy CuPy views of every device input, checked against contract §5.
 
     Parameters
     ----------
@@ -742,3 +742,26 @@ def wrap_host(arr: np.ndarray, like, given=None):
 
         return jnp.asarray(arr)
     return arr
+
+
+# -- buffers that must not overlap ----------------------------------------------------------------------
+
+def check_disjoint(input_nbytes: dict, pointer_of, out_ptr: int = 0, out_nbytes: int = 0, layout_separate=True):
+    """Raise PagedAttentionError when value_cache overlaps key_cache (SEPARATE layout: V would overwrite K),
+    or when ``out`` (``out_ptr``/``out_nbytes``, 0 when not given) overlaps any input.
+
+    ``input_nbytes``: :attr:`cupa.contract.Problem.input_nbytes`; ``pointer_of(name)``: the start address of
+    an input (a device pointer, or a host address for NumPy views).
+    """
+    if layout_separate:
+        n = input_nbytes["key_cache"]
+        k, v = pointer_of("key_cache"), pointer_of("value_cache")
+        if n and k < v + n and v < k + n:
+            raise fail("value_cache", "memory overlapping key_cache" + (" (the same buffer)" if k == v else ""),
+                       "a cache of its own: K and V rows are written to separate caches")
+    if out_nbytes:
+        for name, n in input_nbytes.items():
+            p = pointer_of(name)
+            if n and p < out_ptr + out_nbytes and out_ptr < p + n:
+                raise fail("out", f"memory overlapping {name}", "an output buffer of its own (out= never aliases "
+                           "an input)")

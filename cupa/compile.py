@@ -102,6 +102,10 @@ def main(argv=None) -> int:
     parser.add_argument("--filter", default="", help="only specializations whose text contains this string")
     parser.add_argument("--verbose", action="store_true", help="print NVRTC's log for every compile")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("cupy_backends") is None:
+        print("ERROR: the offline compile check needs CuPy's NVRTC binding: pip install 'cupa[cuda13]' "
+              "(or 'cupa[cuda12]'); no GPU is needed", file=sys.stderr)
+        return 2
 
     try:
         specs = registry_specializations()

@@ -6,12 +6,13 @@ returns a :class:`Problem`, the single description of a call that the reference
 backend, the dispatcher and the CUDA kernels draw their sizes from.
 
 Every violation raises :class:`cupa.PagedAttentionError` naming the input or
-attribute, what it got and what it expected (SPEC section 4, seed section 15).
+attribute, what it got and what it expected (contract §4, seed section 15).
 """
 
 from __future__ import annotations
 
 import collections.abc as _abc
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Sequence
@@ -20,7 +21,7 @@ import numpy as np
 
 from .errors import fail
 
-#: ONNX input order (SPEC section 1). Positional arguments follow it.
+#: ONNX input order (contract §1). Positional arguments follow it.
 INPUT_NAMES = (
     "query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length",
     "past_seqlens", "block_table", "cos_cache", "sin_cache", "slot_mapping", "head_sink",
@@ -54,7 +55,7 @@ class ArrayInfo:
 
 @dataclass(frozen=True)
 class Attributes:
-    """The node attributes of SPEC section 3, validated on construction.
+    """The node attributes of contract §3, validated on construction.
 
     Every rule that depends on attributes alone lives here, so a bad node fails when it is
     built (``cupa.PagedAttention(...)``), before any input is seen. String attributes may be
@@ -201,8 +202,7 @@ class Problem:
     cache_array_dtype: str      # the cache arrays' own dtype name
     cache_kind: str             # "T" | "int8" | "fp8"
     fp8_as_bytes: bool          # fp8 cache held as uint8 bytes (CuPy)
-    k_quant: str
-    v_quant: str
+    v_quant: str                # effective V quantization: k_quant_type in LATENT (V is a view of K)
     num_blocks: int
     block_size: int
     max_blocks_per_seq: int     # block_table.shape[1]
@@ -217,9 +217,17 @@ class Problem:
     bias_shape: tuple           # (Bb, Hb, q_capacity, kv_capacity_bias) or ()
     has_metadata: bool
     max_query_len_bound: int    # launch bound on new tokens of one sequence
-    max_kv_len_bound: int       # launch bound on kv length of one sequence (= kv_capacity)
+    max_kv_len_bound: int       # launch bound on kv length of one sequence: contract §2's kv_capacity
     max_kv_len_lower_bound: int  # speed hint only
-    kv_capacity: int            # SPEC section 2; width of output_qk
+
+    @property
+    def kv_capacity(self) -> int:
+        """contract §2's kv_capacity (the width of output_qk): :attr:`max_kv_len_bound`."""
+        return self.max_kv_len_bound
+
+    @property
+    def k_quant(self) -> str:
+        return self.attrs.k_quant_type
 
     @property
     def static_kv_capacity(self) -> int:
@@ -241,8 +249,42 @@ class Problem:
     def quantized(self) -> bool:
         return self.cache_kind != "T"
 
+    @functools.cached_property
+    def input_nbytes(self) -> dict:
+        """Bytes of every present tensor input (what a memory-overlap check needs), by input name."""
+        t = _ITEMSIZE[self.dtype]
+        c = _ITEMSIZE.get(self.cache_array_dtype, 1)
+        N, B, H, Hk, D = self.token_count, self.batch_size, self.num_heads, self.kv_num_heads, self.head_size
+        hidden = (H + 2 * Hk) * D if self.packed_qkv else H * D
+        sizes = {"query": N * hidden * t, "key_cache": self.num_blocks * self.block_size * Hk * D * c,
+                 "cumulative_sequence_length": (B + 1) * 4, "past_seqlens": B * 4,
+                 "block_table": B * self.max_blocks_per_seq * 4}
+        if not self.packed_qkv:
+            sizes["key"] = N * (D if self.latent else Hk * D) * t
+            if not self.latent:
+                sizes["value"] = N * Hk * D * t
+        if not self.latent:
+            sizes["value_cache"] = sizes["key_cache"]
+        if self.rotary_dim:
+            sizes["cos_cache"] = sizes["sin_cache"] = self.rotary_max_pos * (self.rotary_dim // 2) * t
+        for name, present, n in (("slot_mapping", self.has_slot_mapping, N * 4),
+                                 ("query_positions", self.has_query_positions, N * 4),
+                                 ("head_sink", self.has_head_sink, H * t)):
+            if present:
+                sizes[name] = n
+        if self.has_qk_norm:
+            sizes["q_norm_weight"] = sizes["k_norm_weight"] = D * t
+        if self.quantized:
+            sizes["k_scale"] = 4 if self.k_quant == "PER_TENSOR" else Hk * D * 4
+            if not self.latent:
+                sizes["v_scale"] = 4 if self.v_quant == "PER_TENSOR" else Hk * D * 4
+        if self.has_bias:
+            sizes["attention_bias"] = math.prod(self.bias_shape) * t
+        return sizes
+
 
 _INT32_MAX = (1 << 31) - 1
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _dims(shape) -> str:
@@ -411,7 +453,7 @@ def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
     if kc_d != D:
         raise fail("key_cache", f"shape {_dims(kc.shape)}", f"dim 3 == head_size ({D})")
     cdt = kc.dtype
-    kcd, vcd = a.k_cache_dtype, a.v_cache_dtype
+    k_cache_dtype, v_cache_dtype = a.k_cache_dtype, a.v_cache_dtype
     if not latent:
         vc = _need(infos, "value_cache", "present in SEPARATE layout, same shape as key_cache")
         _check_shape(vc, "value_cache", tuple(kc.shape), "(same as key_cache)")
@@ -425,11 +467,11 @@ def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
     elif cdt == "float8_e4m3fn":
         cache_kind = "fp8"
     elif cdt == "uint8":
-        if kcd != "float8e4m3fn":
-            raise fail("k_cache_dtype", repr(kcd),
+        if k_cache_dtype != "float8e4m3fn":
+            raise fail("k_cache_dtype", repr(k_cache_dtype),
                        "'float8e4m3fn' when the cache arrays are uint8 (raw e4m3 bytes)")
-        if not latent and vcd != "float8e4m3fn":
-            raise fail("v_cache_dtype", repr(vcd),
+        if not latent and v_cache_dtype != "float8e4m3fn":
+            raise fail("v_cache_dtype", repr(v_cache_dtype),
                        "'float8e4m3fn' when the cache arrays are uint8 (raw e4m3 bytes)")
         cache_kind, fp8_as_bytes = "fp8", True
     elif cdt in FLOAT_TYPES:
@@ -438,10 +480,10 @@ def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
     else:
         raise fail("key_cache", f"dtype {cdt}", f"{T} (same as query), int8, float8_e4m3fn or uint8 (fp8 bytes)")
     if not fp8_as_bytes:
-        if kcd and CACHE_DTYPE_NAMES[kcd] != cdt:
-            raise fail("k_cache_dtype", repr(kcd), f"'' or the cache tensor's own type ({cdt})")
-        if vcd and CACHE_DTYPE_NAMES[vcd] != cdt:   # always '' in LATENT (Attributes)
-            raise fail("v_cache_dtype", repr(vcd), f"'' or the cache tensor's own type ({cdt})")
+        if k_cache_dtype and CACHE_DTYPE_NAMES[k_cache_dtype] != cdt:
+            raise fail("k_cache_dtype", repr(k_cache_dtype), f"'' or the cache tensor's own type ({cdt})")
+        if v_cache_dtype and CACHE_DTYPE_NAMES[v_cache_dtype] != cdt:   # always '' in LATENT (Attributes)
+            raise fail("v_cache_dtype", repr(v_cache_dtype), f"'' or the cache tensor's own type ({cdt})")
 
     quants = (("k_quant_type", a.k_quant_type, "k_scale"),) if latent else (
         ("k_quant_type", a.k_quant_type, "k_scale"), ("v_quant_type", a.v_quant_type, "v_scale"))
@@ -546,27 +588,26 @@ def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
         if bq < 1 or bk < 1:
             raise fail("attention_bias", f"shape {_dims(bias_shape)}", "q_capacity >= 1 and kv_capacity >= 1")
 
-    # Replay-wide bounds (SPEC 4.5): size launches only, clamped to the static capacities.
+    # Replay-wide bounds (contract §4.5): size launches only, clamped to the static capacities.
     static_cap = max_blocks * block_size
     md = tuple(metadata) if metadata is not None else None
-    mq = min(md[0], N) if md and md[0] else N
-    mk = min(md[1], static_cap) if md and md[1] else static_cap
-    mkl = min(md[2], mk) if md and len(md) > 2 else 0
+    max_q = min(md[0], N) if md and md[0] else N
+    max_kv = min(md[1], static_cap) if md and md[1] else static_cap
+    min_kv = min(md[2], max_kv) if md and len(md) > 2 else 0
 
-    if a.qk_output and N * H * mk * 4 > output_qk_max_bytes:
+    if a.qk_output and N * H * max_kv * 4 > output_qk_max_bytes:
         raise fail("qk_output", a.qk_output,
                    f"an output_qk of at most {output_qk_max_bytes} bytes (num_heads*token_count*kv_capacity = "
-                   f"{H}*{N}*{mk} float32 = {N * H * mk * 4} bytes); give a smaller attention_metadata "
+                   f"{H}*{N}*{max_kv} float32 = {N * H * max_kv * 4} bytes); give a smaller attention_metadata "
                    "max_kv_len_bound or raise cupa.Options(output_qk_max_bytes=...)")
 
     return Problem(
         attrs=a, token_count=N, batch_size=B, num_heads=H, kv_num_heads=Hk, head_size=D, v_head_size=Dv,
         group_size=H // Hk, packed_qkv=packed, latent=latent, dtype=T, cache_array_dtype=cdt,
-        cache_kind=cache_kind, fp8_as_bytes=fp8_as_bytes, k_quant=a.k_quant_type,
-        v_quant=a.k_quant_type if latent else a.v_quant_type, num_blocks=num_blocks, block_size=block_size,
+        cache_kind=cache_kind, fp8_as_bytes=fp8_as_bytes, v_quant=a.k_quant_type if latent else a.v_quant_type, num_blocks=num_blocks, block_size=block_size,
         max_blocks_per_seq=max_blocks, scale=a.scale if a.scale else 1.0 / math.sqrt(D),
         rotary_dim=rotary_dim, rotary_max_pos=rotary_max_pos, has_slot_mapping=has_slot,
         has_head_sink=has_sink, has_qk_norm=has_norm, has_query_positions=has_qpos,
         has_bias=bias is not None, bias_shape=bias_shape, has_metadata=md is not None,
-        max_query_len_bound=mq, max_kv_len_bound=mk, max_kv_len_lower_bound=mkl, kv_capacity=mk,
+        max_query_len_bound=max_q, max_kv_len_bound=max_kv, max_kv_len_lower_bound=min_kv,
     )

@@ -8,7 +8,7 @@ one ``cudaGraphLaunch``, reading whatever the input buffers hold at replay time.
 What a graph freezes (see docs/graphs.md): every device pointer (inputs must be updated *in place*;
 outputs allocated inside the capture are the same buffers at every replay), every shape, and every
 host value read at capture -- in particular ``attention_metadata``, which must therefore be a
-replay-wide bound (SPEC 4.5), e.g. ``[1, max_model_len]``, never the current step's lengths.
+replay-wide bound (contract §4.5), e.g. ``[1, max_model_len]``, never the current step's lengths.
 
 Memory: everything allocated while the capture runs comes from a private ``cupy.cuda.MemoryPool``
 owned by the returned object (and, when PyTorch is in use, a private ``torch.cuda.MemPool``), so no
@@ -455,7 +455,7 @@ def capture_graph(step: Callable[[], Any], *, stream=None, warmup: int = 1, pool
     ``attention_metadata`` is read once, on the host, at capture, and frozen into the graph: pass a
     **replay-wide bound** -- the largest lengths the graph will ever serve, e.g.
     ``attention_metadata=[1, max_model_len]`` for decode -- never the current step's values. Any valid
-    bound gives bit-identical results (SPEC 4.5); a bound smaller than a length reached during a replay
+    bound gives bit-identical results (contract §4.5); a bound smaller than a length reached during a replay
     breaks the contract (work is omitted; memory stays safe). Leaving it out is correct too, but sizes
     the launch for the block table's full capacity.
 

@@ -1,6 +1,6 @@
 """Public input builders: RoPE tables and the KV-cache quantization rule.
 
-:func:`quantize` is *the* Python definition of the cache write rule of SPEC section 4.1::
+:func:`quantize` is *the* Python definition of the cache write rule of contract §4.1::
 
     code = saturate(round_half_even(float32(x) * float32(1 / scale)))
 
@@ -173,7 +173,7 @@ _FP8_TABLE = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype
 
 
 def quantize(x, scale, cache_dtype="int8", as_bytes: bool = False):
-    """Quantize K or V values with the cache write rule (SPEC section 4.1).
+    """Quantize K or V values with the cache write rule (contract §4.1).
 
     ``code = saturate(round_half_even(float32(x) * float32(1/scale)))`` where ``float32(1/scale)`` is
     ``np.float32(1) / scale`` evaluated in float32 and the product is float32. int8 saturates to

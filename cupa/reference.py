@@ -1,6 +1,6 @@
 """The NumPy reference backend: float64 arithmetic, the oracle every CUDA backend is tested against.
 
-Semantics are SPEC.md sections 1-4 plus the decisions of docs/architecture.md. One call runs in two
+Semantics are docs/contract.md sections 1-4 plus the decisions of docs/architecture.md. One call runs in two
 phases (seed section 7.2): the prologue of *every* token (packed-QKV split, QK-norm, RoPE, rounding
 to T, quantize-on-write, the cache write), then the attention of every token, so a token reads a
 cache that already holds every write of this call.
@@ -57,6 +57,7 @@ class ReferenceBackend:
         views = {name: (x if name == "attention_metadata" else arrays.host_view(x, name, cache=name in _CACHES))
                  for name, x in inputs.items()}
         out_view = arrays.host_out(out, like, pb.output_shape, _T[pb.dtype])
+        _check_disjoint(pb, views, out_view)
         result = _run(pb, views, out_view)
         if isinstance(result, tuple):
             return (arrays.wrap_host(result[0], like, out), *(arrays.wrap_host(r, like) for r in result[1:]))
@@ -64,6 +65,19 @@ class ReferenceBackend:
 
 
 _CACHES = ("key_cache", "value_cache")
+
+
+def _check_disjoint(pb: Problem, views: dict, out) -> None:
+    """value_cache apart from key_cache (SEPARATE), out= apart from every input (host memory)."""
+    if not pb.latent and views["value_cache"] is not None and np.may_share_memory(views["key_cache"],
+                                                                                  views["value_cache"]):
+        raise fail("value_cache", "memory overlapping key_cache", "a cache of its own: K and V rows are written to "
+                   "separate caches")
+    if out is not None:
+        for name, x in views.items():
+            if name != "attention_metadata" and isinstance(x, np.ndarray) and np.may_share_memory(out, x):
+                raise fail("out", f"memory overlapping {name}", "an output buffer of its own (out= never aliases "
+                           "an input)")
 
 
 BACKEND = ReferenceBackend()
@@ -181,7 +195,7 @@ def _run(pb: Problem, inputs: dict, out):
     k = _f64(k_in).reshape(N, Hk, D)
     v_T = None if latent else np.ascontiguousarray(v_in).reshape(N, Hk, D).astype(T)
 
-    # --- token ownership and validity (SPEC 4.4, architecture.md) ------------------------------
+    # --- token ownership and validity (contract §4.4, architecture.md) ------------------------------
     cum = np.asarray(x["cumulative_sequence_length"]).astype(np.int64)
     past = np.asarray(x["past_seqlens"]).astype(np.int64)
     bt = np.asarray(x["block_table"]).astype(np.int64)

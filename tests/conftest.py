@@ -17,6 +17,9 @@ def gpu_available() -> bool:
         return False
 
 
+_GPU_SKIPPED = []
+
+
 def pytest_collection_modifyitems(config, items):
     if gpu_available():
         return
@@ -24,6 +27,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+            _GPU_SKIPPED.append(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line for the GPU tests skipped without a device (instead of one per location)."""
+    if _GPU_SKIPPED:
+        files = len({n.split("::")[0] for n in _GPU_SKIPPED})
+        terminalreporter.write_line(f"{len(_GPU_SKIPPED)} GPU tests in {files} files skipped: no usable CUDA "
+                                    "device here (run them with: python -m pytest -m gpu)")
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 ``build`` makes NumPy inputs (fresh random data, never zeros); ``check_against_reference`` runs
 the reference on one copy and the CUDA path on CuPy copies with a NaN-poisoned ``out=``, then
-checks every output element (SPEC section 6 tolerances) and every cache byte.
+checks every output element (contract §6 tolerances) and every cache byte.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def assert_cache_close(got, ref, kind, dtype, name):
     """T caches within one ulp of T; quantized caches within one code."""
     got, ref = np.asarray(got), np.asarray(ref)
     if kind == "T":
-        # SPEC 4.1 has the GPU prologue compute in fp32: where the two terms of a rotated pair
+        # contract §4.1 has the GPU prologue compute in fp32: where the two terms of a rotated pair
         # cancel, fp32 cannot land within one ulp of T of the float64 result. The bound is one ulp
         # of T at the value plus a few fp32 roundings of the row's magnitude (the operands' size).
         g64, r64 = got.astype(np.float64), ref.astype(np.float64)
@@ -240,7 +240,7 @@ def build_prefix_written_this_call(rng, **kw):
 
     Sequence 0 has no past and writes its first 16 new tokens into its block 0; sequence 1 maps its
     logical block 0 to that same block (a shared prefix) and has a past of 16, so its attention reads
-    positions 0..15 from rows this call writes (SPEC 4.1: every write lands before any read).
+    positions 0..15 from rows this call writes (contract §4.1: every write lands before any read).
     Sequences 2 and 3 are a zero-token one with a past and one without a past.
     """
     inputs, attrs = build(rng, q_lens=[40, 10, 0, 33], past=[0, 16, 5, 0], block_size=16, **kw)

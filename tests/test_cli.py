@@ -71,7 +71,45 @@ def test_demo_cuda_backend_passes():
     assert "result: PASS" in proc.stdout and "CuPy arrays" in proc.stdout, proc.stdout
 
 
-def test_no_subcommand_is_a_usage_error():
-    proc = run_cupa()
+def test_unknown_subcommand_is_a_usage_error():
+    proc = run_cupa("bogus")
     assert proc.returncode == 2
     assert "usage" in proc.stderr
+
+
+def test_bare_command_prints_help():
+    proc = run_cupa()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m cupa") and "demo" in proc.stdout and "info" in proc.stdout
+
+
+@pytest.mark.skipif(gpu_available(), reason="a device is usable here")
+def test_info_does_not_offer_cuda_backends_without_a_device():
+    proc = run_cupa("info")
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("CUDA backends"))
+    assert "none usable here" in line and "decode" in line, line
+    assert any(line.startswith("NVRTC") for line in proc.stdout.splitlines()), proc.stdout
+
+
+_HIDE_CUPY = """
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('cupy', 'cupy_backends'):
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, Hide())
+import importlib.util
+importlib.util.find_spec = (lambda f: (lambda name, *a: None if name.split('.')[0] in ('cupy', 'cupy_backends')
+                                       else f(name, *a)))(importlib.util.find_spec)
+from cupa import compile
+sys.exit(compile.main(['--check']))
+"""
+
+
+def test_compile_check_without_cupy_says_what_to_install():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", _HIDE_CUPY], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=REPO)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pip install 'cupa[cuda13]'" in lines[0] and "Traceback" not in proc.stderr, lines

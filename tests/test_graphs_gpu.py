@@ -1,7 +1,7 @@
 """cupa.capture_graph on the device: a captured decode step replayed while every sequence grows.
 
 Every replay is compared bit for bit with an eager call on an identical copy of the state (same
-kernels, same launches: same bits) and with the NumPy reference (SPEC 6 tolerance). Inputs are
+kernels, same launches: same bits) and with the NumPy reference (contract §6 tolerance). Inputs are
 updated in place between replays -- past_seqlens += 1, the new token's q/k/v written into fixed
 buffers, a new block appended to a block_table row when a sequence crosses a block boundary -- which
 is how a server drives a captured step.

@@ -1,4 +1,4 @@
-"""Zero-copy interop on the device (SPEC section 5): CuPy, PyTorch and JAX inputs, streams, outputs,
+"""Zero-copy interop on the device (contract §5): CuPy, PyTorch and JAX inputs, streams, outputs,
 and the run-time compile route of cupa.jit (RawModule, KernelCompileError, cubin loading).
 
 Every test needs a CUDA device (marker ``gpu``); PyTorch and JAX tests skip where they are absent.

@@ -891,7 +891,7 @@ def test_gpu_fast_route_is_bit_identical_to_rawkernel(gpu_cp, rng, case, out, vi
     fast = _device_run(gpu_cp, inputs, attrs, mode="fast", out=out, md=md, backend=backend)
     for name, a, b in zip(("output", "key_cache", "value_cache"), raw, fast):
         assert a == b, f"{case}: {name} differs between the rawkernel and the fast route"
-    if via == "op" and out:   # and both are right (the reference, SPEC tolerances)
+    if via == "op" and out:   # and both are right (the reference, contract §6 tolerances)
         gc.check_against_reference(gpu_cp, inputs, attrs, metadata=md, dtype=kw.get("dtype", "float16"), cache=cache)
 
 

@@ -1,4 +1,4 @@
-"""The NumPy reference against ONNX Runtime's CPU GroupQueryAttention (SPEC section 6).
+"""The NumPy reference against ONNX Runtime's CPU GroupQueryAttention (contract §6).
 
 Each test builds a random paged batch (shuffled block tables, ragged sequences, idle sequences that
 have a past but no new token, one sequence with neither), runs ``cupa.paged_attention`` on NumPy
@@ -33,12 +33,12 @@ pytest.importorskip("onnx")
 
 import cupa  # noqa: E402
 
-#: Relative-error bounds for the output. SPEC section 6 allows a CUDA backend 1e-5 (float32) and
+#: Relative-error bounds for the output. contract §6 allows a CUDA backend 1e-5 (float32) and
 #: 2e-3 (float16) against the reference; ONNX Runtime's CPU provider computes in float32 and rounds at
 #: the same points as the reference, so the oracle holds it ~10x tighter (observed: ~4e-7 and ~4e-5).
 TOLERANCE = {"float32": 2e-6, "float16": 2e-4}
 #: output_qk: GQA returns it in T, so float16 scores carry float16 rounding (~2e-4); the reference's
-#: are float32. Float16 therefore gets the SPEC bound.
+#: are float32. Float16 therefore gets the contract bound.
 QK_TOLERANCE = {"float32": 2e-6, "float16": 2e-3}
 
 
@@ -142,7 +142,7 @@ def build_inputs(case: Case, rng: np.random.Generator) -> dict:
 
 
 def admitted_mask(case: Case, inputs: dict, width: int) -> np.ndarray:
-    """(N, width) bool: the keys each token attends (SPEC 4.2; every block used here is mapped)."""
+    """(N, width) bool: the keys each token attends (contract §4.2; every block used here is mapped)."""
     cum, past = inputs["cumulative_sequence_length"], inputs["past_seqlens"]
     rows = []
     for b in range(len(past)):
@@ -158,7 +158,7 @@ def admitted_mask(case: Case, inputs: dict, width: int) -> np.ndarray:
 
 
 def written_slots(inputs: dict) -> np.ndarray:
-    """(N,) flat cache slot each token writes (derived from block_table, SPEC 4.1)."""
+    """(N,) flat cache slot each token writes (derived from block_table, contract §4.1)."""
     cum, past, table = inputs["cumulative_sequence_length"], inputs["past_seqlens"], inputs["block_table"]
     bs = inputs["key_cache"].shape[1]
     slots = []

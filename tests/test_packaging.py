@@ -85,3 +85,50 @@ def test_installed_wheel_finds_its_cuda_sources(wheel, tmp_path):
     assert Path(where).is_relative_to(target), f"imported cupa from {where}, not the installed wheel"
     missing = set(cuda_sources()) - set(names.split())
     assert not missing, f"the installed package lacks {sorted(missing)}"
+
+
+def test_wheel_ships_the_license(wheel, members):
+    licenses = [m for m in members if m.endswith("LICENSE")]
+    assert licenses, sorted(members)
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(next(m for m in members if m.endswith(".dist-info/METADATA"))).decode()
+        assert "Apache License" in zf.read(licenses[0]).decode()
+    assert "License-Expression: Apache-2.0" in meta, meta[:2000]
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+    src = tmp_path_factory.mktemp("sdist_src") / "cupa"
+    shutil.copytree(REPO, src, ignore=JUNK)
+    dist = tmp_path_factory.mktemp("sdist")
+    proc = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "-o", str(dist), str(src)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"sdist build failed:\n{proc.stdout}\n{proc.stderr}"
+    out = proc.stdout + proc.stderr
+    assert "Deprecat" not in out, [line for line in out.splitlines() if "eprecat" in line]
+    archives = list(dist.glob("cupa-*.tar.gz"))
+    assert len(archives) == 1, archives
+    import tarfile
+
+    root = tmp_path_factory.mktemp("sdist_tree")
+    with tarfile.open(archives[0]) as tf:
+        tf.extractall(root, filter="data")
+    return next(root.iterdir())
+
+
+def test_sdist_holds_what_the_tests_import(sdist):
+    wanted = ["LICENSE", "README.md", "pyproject.toml", "tests/conftest.py", "tests/util.py",
+              "tests/gpu_cases.py", "tests/oracles/ort_gqa.py", "tests/data/jit_smoke.cu"]
+    wanted += [p.relative_to(REPO).as_posix() for p in (REPO / "notebooks").glob("*.ipynb")]
+    wanted += [f"cuda_src/{n}" for n in cuda_sources()]
+    missing = [w for w in wanted if not (sdist / w).is_file()]
+    assert not missing, f"missing from the sdist: {missing}"
+
+
+def test_tests_run_from_the_sdist(sdist):
+    env = dict(os.environ, PYTHONPATH=str(sdist))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_contract.py"
+                           if (sdist / "tests/test_contract.py").is_file() else "tests/test_validation.py"],
+                          capture_output=True, text=True, cwd=sdist, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout

@@ -1,6 +1,6 @@
 """The NumPy reference against an independent brute-force dense attention (tests/util.py).
 
-Every feature of SPEC sections 1-4 appears in the matrix; outputs are compared to within one ulp of
+Every feature of contract §1-§4 appears in the matrix; outputs are compared to within one ulp of
 T (both sides compute in float64), output_qk to float32 rounding, and the written caches byte for
 byte (with a tiny allowance for rounding-boundary coincidences between two float64 computations).
 """

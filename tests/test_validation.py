@@ -1,4 +1,4 @@
-"""Negative tests: one test per validation rule (seed section 15 / 17.5, SPEC sections 1-5).
+"""Negative tests: one test per validation rule (seed section 15 / 17.5, contract §1-§5).
 
 Every test asserts the message, not just the failure: the offending input or attribute comes
 first ("<name>: got <...>; expected <...>"), followed by a distinctive part of what it got and
@@ -227,7 +227,7 @@ def test_valid_string_attributes_as_bytes():
 
 
 # ---------------------------------------------------------------------------------------------
-# attributes (SPEC section 3)
+# attributes (contract §3)
 
 def test_num_heads_required():
     with raises("num_heads", "None (absent)", "; expected an integer >= 1", "required attribute"):
@@ -364,7 +364,7 @@ def test_input_given_as_attribute():
 
 
 # ---------------------------------------------------------------------------------------------
-# binding inputs (SPEC section 5)
+# binding inputs (contract §5)
 
 def _op_and_arrays(attrs_infos=None):
     attrs, infos = attrs_infos or separate()
@@ -604,7 +604,7 @@ def test_value_cache_dtype(check):
 
 
 def test_float_cache_with_other_float_query(check):
-    """A float16 cache with a bfloat16 query is an error (SPEC 1)."""
+    """A float16 cache with a bfloat16 query is an error (contract §1)."""
     attrs, infos = separate("bfloat16", key_cache=A((NB, BS, HK, D), "float16"),
                             value_cache=A((NB, BS, HK, D), "float16"))
     with raises("key_cache", "dtype float16", "; expected the query's dtype bfloat16",

@@ -3,12 +3,12 @@
 * :func:`make_case` builds a random paged PagedAttention call (:class:`Case`): fresh random data
   from the given ``np.random.Generator`` (never zeros), shuffled block tables, ragged query lengths
   (zero-token sequences allowed), garbage in every unused cache block, and options for every feature
-  of SPEC sections 1-4. GPU tests convert ``case.inputs`` with :meth:`Case.converted`.
+  of contract §1-§4. GPU tests convert ``case.inputs`` with :meth:`Case.converted`.
 * :func:`dense_attention` is a plain per-token float64 implementation of the contract written
   independently of ``cupa/reference.py`` (loops, small sizes only). It returns the expected output,
   output_qk and the caches after the call.
 * :func:`rel_err`, :func:`assert_rel`, :func:`assert_within_ulp`, :func:`assert_cache_close` compare
-  results with the tolerances of SPEC section 6.
+  results with the tolerances of contract §6.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from cupa.contract import INPUT_NAMES
 T_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
             "float32": np.dtype(np.float32)}
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
-#: SPEC section 6: ||out - ref|| / ||ref|| for CUDA backends against the reference
+#: contract §6: ||out - ref|| / ||ref|| for CUDA backends against the reference
 REL_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}
 #: mantissa bits and minimum normal exponent of each T (for ulp bounds)
 _MANT = {"float16": (10, -14), "bfloat16": (7, -126), "float32": (23, -126)}
@@ -124,7 +124,7 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
     rotary : None, "half" or "interleaved"; rotary_dim (default head_size - rotary_offset); rotary_offset.
     positions : None (default positions), "explicit" (query_positions equal to the default),
         "random" (random positions in [0, kv_len_b)), or an int array of length N.
-    qk_norm, window, softcap, sink, is_causal, scale, qk_output : the features of SPEC section 3.
+    qk_norm, window, softcap, sink, is_causal, scale, qk_output : the features of contract §3.
     bias : None or (batch_broadcast, head_broadcast); bias_pad adds (q, kv) capacity beyond the maxima
         (negative values make an undersized bias whose out-of-capacity entries are masked).
     slot_mapping : None, "derived" (explicit and equal to the derived slots) or "skip" (derived with
@@ -520,7 +520,7 @@ def rel_err(out, ref) -> float:
 
 
 def assert_rel(out, ref, dtype, factor=1.0, what="output"):
-    """SPEC section 6 relative-error bound for T=dtype (times ``factor``)."""
+    """contract §6 relative-error bound for T=dtype (times ``factor``)."""
     err = rel_err(out, ref)
     tol = REL_TOL[np.dtype(dtype).name if not isinstance(dtype, str) else dtype] * factor
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
@@ -632,7 +632,7 @@ def apply_rope(x, cos_row, sin_row, offset=0, interleaved=False):
 
 def check_against_reference(ref_case: Case, ref_result, out, key_cache, value_cache=None, output_qk=None,
                             dtype=None):
-    """Compare a CUDA backend's results (host NumPy copies) with a reference run (SPEC section 6).
+    """Compare a CUDA backend's results (host NumPy copies) with a reference run (contract §6).
 
     ``ref_case`` is the case after the reference call (its caches are the reference's written caches);
     ``ref_result`` is what the reference returned. Output: relative error below REL_TOL[T]; caches:

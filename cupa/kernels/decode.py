@@ -1,6 +1,6 @@
 """The paged flash-decoding backend: prologue, split-KV attention over pages with an fp32 merge of the splits.
 
-Split layout (SPEC 4.5): keys are cut at absolute positions that are multiples of ``chunk``,
+Split layout (contract §4.5): keys are cut at absolute positions that are multiples of ``chunk``,
 a value drawn only from static sizes (block_table capacity, token and head counts, the SM
 count), never from attention_metadata. The bound only decides how many trailing splits are
 launched, so absent, tight and loose bounds give bit-identical results; a launched split with
@@ -67,15 +67,15 @@ def mma_shared_bytes(problem: Problem) -> int:
 def split_plan(problem: Problem, sm_count: int, options: Options) -> tuple:
     """(chunk, num_splits, heads_per_cta): chunk from static sizes only, splits from the bound."""
     p = problem
-    gt = heads_per_cta(p, options)
-    ctas = p.token_count * p.kv_num_heads * math.ceil(p.group_size / gt)
+    heads = heads_per_cta(p, options)
+    ctas = p.token_count * p.kv_num_heads * math.ceil(p.group_size / heads)
     cap = p.static_kv_capacity
     # A power-of-two number of equal parts of the capacity keeps splits equal when lengths are too.
     target = options._tuning.decode_ctas_per_sm
     want = 1 << max(0, math.ceil(math.log2(max(1.0, target * sm_count / max(ctas, 1)))))
     chunk = max(MIN_CHUNK, -(-math.ceil(cap / want) // MIN_CHUNK) * MIN_CHUNK)
     num_splits = max(1, math.ceil(p.max_kv_len_bound / chunk))
-    return chunk, num_splits, gt
+    return chunk, num_splits, heads
 
 
 class DecodeBackend(CudaBackend):
@@ -93,11 +93,11 @@ class DecodeBackend(CudaBackend):
         return True
 
     def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
-        chunk, splits, gt = split_plan(problem, device.sm_count, options)
+        chunk, splits, heads = split_plan(problem, device.sm_count, options)
         engine = "tensor cores (mma.sync m16n8k16)" if uses_mma(problem) else "CUDA cores"
         if uses_keys_as_m(problem, options):
             engine += ", keys as M"
-        return (f"paged flash-decoding on {engine}: one CTA per (token, KV head, {gt}-head chunk, split); "
+        return (f"paged flash-decoding on {engine}: one CTA per (token, KV head, {heads}-head chunk, split); "
                 f"{splits} split(s) of {chunk} key positions; fused prologue first")
 
     def specializations(self) -> list:
@@ -105,7 +105,7 @@ class DecodeBackend(CudaBackend):
         for dtype in types.ACT_CXX:
             for kind in types.CACHE_CXX:
                 specs.append(registry.prologue_spec(dtype, kind))
-                specs.extend(registry.decode_spec(dtype, kind, gt) for gt in types.HEAD_CHUNKS)
+                specs.extend(registry.decode_spec(dtype, kind, heads) for heads in types.HEAD_CHUNKS)
         for dtype in ("float16", "bfloat16"):
             for kind in types.CACHE_CXX:
                 specs.extend(registry.decode_mma_spec(dtype, kind, d) for d in MMA_HEAD_SIZES)
@@ -140,8 +140,8 @@ class DecodeBackend(CudaBackend):
         """
         p, device, options = plan.problem, plan.device, plan.options
         a = p.attrs
-        chunk, num_splits, gt = split_plan(p, device.sm_count, options)
-        head_chunks = math.ceil(p.group_size / gt)
+        chunk, num_splits, heads = split_plan(p, device.sm_count, options)
+        head_chunks = math.ceil(p.group_size / heads)
         r = _Recipe()
         counters_per_token = p.kv_num_heads * head_chunks if num_splits > 1 else 0
         prologue = prologue_launcher(p, device, options, counters_per_token)
@@ -169,7 +169,7 @@ class DecodeBackend(CudaBackend):
             launch.ensure_shared_memory(kernel, shared)
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + tail, shared_mem=shared)
         else:
-            kernel = jit.get_kernel(registry.decode_spec(p.dtype, p.cache_kind, gt))
+            kernel = jit.get_kernel(registry.decode_spec(p.dtype, p.cache_kind, heads))
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + (i32(p.head_size),) + tail)
         r.split = num_splits > 1
         decode_pointers = ((_I["query"],) + _DECODE_POINTERS[1:]) if passthrough else _DECODE_POINTERS

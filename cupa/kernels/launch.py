@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import struct
 import threading
 
@@ -43,9 +44,10 @@ from ..errors import fail
 from . import driver
 
 _TENSORS = tuple(n for n in INPUT_NAMES if n != "attention_metadata")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: index of each tensor input in :attr:`Call.ptrs`
 PTR_INDEX = {name: i for i, name in enumerate(_TENSORS)}
-# Inputs read with 16-byte vector loads (SPEC: head_size % 8 == 0 keeps rows aligned).
+# Inputs read with 16-byte vector loads (contract: head_size % 8 == 0 keeps rows aligned).
 _VECTOR_READ = ("query", "key", "value", "key_cache", "value_cache")
 _VECTOR_READ_INDEX = tuple(PTR_INDEX[n] for n in _VECTOR_READ)
 if _VECTOR_READ_INDEX != (0, 1, 2, 3, 4):  # Call checks ptrs[0..4] with one expression
@@ -149,6 +151,11 @@ class Call:
             for i in _VECTOR_READ_INDEX:
                 if ptrs[i] % 16:
                     raise fail(_TENSORS[i], f"a device pointer at {ptrs[i]:#x}", "16-byte alignment (vector loads)")
+        nbytes = problem.input_nbytes
+        if not problem.latent:
+            n, k, v = nbytes["key_cache"], ptrs[3], ptrs[4]
+            if n and k < v + n and v < k + n:
+                arrays.check_disjoint(nbytes, lambda name: ptrs[PTR_INDEX[name]])
         self._device = None
         set_device = self._set_device = cuda.runtime.getDevice() != device_id
         # Another device: its own current stream; enter both. Same device: enter the stream if not current.
@@ -167,6 +174,9 @@ class Call:
         else:
             self._output = arrays.check_out(out, shape, problem.dtype, query, device_id)
             self.output_ptr = self._output.data.ptr
+        if out is not None:
+            arrays.check_disjoint(nbytes, lambda name: ptrs[PTR_INDEX[name]], self.output_ptr,
+                                  math.prod(shape) * _ITEMSIZE[problem.dtype], layout_separate=False)
         a = problem.attrs
         self._qk = self._new(problem.output_qk_shape, "float32") if a.qk_output else None
         self._lse = self._new(problem.lse_shape, "float32") if a.return_lse else None

@@ -1,1 +1,1 @@
-"""Oracles the cupa reference is tested against: implementations nobody here wrote (SPEC section 6)."""
+"""Oracles the cupa reference is tested against: implementations nobody here wrote (contract §6)."""

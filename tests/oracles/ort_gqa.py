@@ -1,7 +1,7 @@
 """ONNX Runtime's CPU ``com.microsoft::GroupQueryAttention`` as an oracle for paged attention.
 
 :func:`gqa_oracle` takes the inputs and attributes of one cupa (PagedAttention) call, rewrites them as
-one padded GroupQueryAttention call (the recipe of SPEC section 6), runs it on ONNX Runtime's CPU
+one padded GroupQueryAttention call (the recipe of contract §6), runs it on ONNX Runtime's CPU
 execution provider and returns what cupa must produce: the output rows, the cache rows the paged write
 must hold, and output_qk.
 
@@ -18,14 +18,14 @@ provider with small models):
   and rotary all use it). Q = 0 is an idle entry (still needs T >= 1). Only the Q valid rows are written,
   to present rows [P, T). ``total_sequence_length`` is only an upper bound of T; P + S <= C is required.
   query_seqlens requires causal=1; without it, S > 1 with past context requires batch_size 1.
-- local_window_size = W admits the W positions p - W < k <= p (the query's own included), as in SPEC.
+- local_window_size = W admits the W positions p - W < k <= p (the query's own included), as in the contract.
 - Rotary: cos_cache/sin_cache (max_pos, rotary_dim/2) with rotary_dim/2 a multiple of 8 and
   <= head_size/2, and max_pos >= total_sequence_length; channels [0, rotary_dim) rotate, pairs
   (i, i + rotary_dim/2) or (2i, 2i+1) (rotary_interleaved), computed in float32. There is no rotary
   offset: cupa's rotary_offset is emulated by rolling the channels of Q and K (scores are invariant
   under one permutation of Q's and K's channels).
 - attention_bias: (B or 1, H or 1, S, total_sequence_length), column = absolute key position; added
-  AFTER softcap (SPEC adds it before: never combine the two here).
+  AFTER softcap (the contract adds it before: never combine the two here).
 - head_sink (H,) of T adds exp(sink_h - m) to the softmax denominator; smooth_softmax=1 is a zero sink.
 - output_qk: (B, H, S, total_sequence_length) of T. qk_output=1: scale*q.k, then softcap, then bias;
   qk_output=2: the probabilities (sink mass excluded). Masked and padding entries read 0.
@@ -127,7 +127,7 @@ class GqaResult:
 
 
 def _prologue(x: np.ndarray, heads: int, dtype, norm: Optional[dict], rope: Optional[dict]) -> np.ndarray:
-    """Per-head RMSNorm and/or RoPE in float64, rounded to T once (SPEC 4.1).
+    """Per-head RMSNorm and/or RoPE in float64, rounded to T once (contract §4.1).
 
     For the prologue steps GQA cannot be given: its CPU provider rejects the norm weights, and a
     rotation done by GQA on normalized values would round to T twice.
@@ -173,13 +173,13 @@ def gqa_oracle(inputs: Mapping[str, Any], *, num_heads: int, kv_num_heads: int, 
                v_cache_dtype: str = "", kv_cache_layout: str = "SEPARATE", v_head_size: int = 0,
                qk_output: int = 0, smooth_softmax: Optional[int] = None,
                written_rows: Optional[tuple] = None) -> GqaResult:
-    """Run a cupa call's inputs through ONNX Runtime's CPU GroupQueryAttention (SPEC section 6).
+    """Run a cupa call's inputs through ONNX Runtime's CPU GroupQueryAttention (contract §6).
 
-    ``inputs`` maps cupa input names (SPEC section 1) to NumPy arrays as they are BEFORE the cupa call
+    ``inputs`` maps cupa input names (contract §1) to NumPy arrays as they are BEFORE the cupa call
     (the caches unmodified); the attributes are cupa's. ``smooth_softmax`` is passed to GQA as is.
     Supported: SEPARATE layout (split or packed QKV), float16/float32 T, T caches or int8 caches with
     one quantization granularity, rotary (any offset), QK-norm, head_sink, attention_bias, softcap,
-    windows, scale, qk_output, is_causal=0 without a window. Every sequence must be valid (SPEC 4.4),
+    windows, scale, qk_output, is_causal=0 without a window. Every sequence must be valid (contract §4.4),
     and slot_mapping and query_positions must be absent.
 
     ``written_rows = (key_rows, value_rows)``, each (N, Hk, D) of the cache dtype, makes the new tokens

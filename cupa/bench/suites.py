@@ -1,0 +1,308 @@
+"""The suites of ``python -m cupa.bench`` and how one case of each is measured.
+
+An attention suite (decode, prefill, chunked, mixed, mla, subbyte) runs each case the same way:
+
+1. build the inputs (:func:`cupa.bench.cases.build`) on the run's device;
+2. time cupa's call through a bound ``cupa.PagedAttention`` with a preallocated output -- or record
+   "not served" with the reason when no backend serves the call (PagedAttentionError);
+3. time each backend variant (an ``Options(backend=...)`` A/B) whose backend differs from cupa's choice;
+4. for a memory-bound case, time the read probe over the same number of bytes;
+5. time every peer on the same inputs (missing / unsupported / error recorded with the reason) and
+   check its output against cupa's (``rel_err_vs_cupa``).
+
+The cache each timed call writes holds the same values every time (the new tokens' K/V), so cupa
+and the peers that append K/V themselves see the same cache, and so do the read-only peers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+import cupa
+
+from . import sweeps
+from .cases import Built, Case, build
+from .peers import Unsupported, host_float32
+
+__all__ = ["Suite", "AttentionSuite", "CascadeSuite", "Step", "Context", "all_suites", "rel_err",
+           "error_text", "SUITE_ORDER"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """An item of a suite that is not one attention call (a graph replay, a host-time row...)."""
+
+    suite: str
+    name: str
+    params: tuple = ()
+    tags: tuple = ()
+
+    @property
+    def id(self) -> str:
+        return f"{self.suite}/{self.name}"
+
+    @property
+    def param(self) -> dict:
+        return dict(self.params)
+
+
+@dataclass
+class Context:
+    """What a suite's ``run`` gets: the runtime, the enabled peers, repetitions, the size, the seed and
+    the rooflines measured at the start of the run (to tell memory- from compute-bound cases)."""
+
+    runtime: object
+    peers: list
+    reps: int
+    size: str
+    seed: int = 0
+    rooflines: dict = field(default_factory=dict)
+
+    def peers_for(self, suite: str) -> list:
+        return [p for p in self.peers if suite in p.suites]
+
+
+def error_text(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:limit]}" if text else type(exc).__name__
+
+
+def rel_err(reference, got) -> float:
+    """``||got - reference|| / ||reference||`` over every element (float32 on the host)."""
+    ref = host_float32(reference).reshape(-1).astype(np.float64)
+    val = host_float32(got).reshape(-1).astype(np.float64)
+    if ref.shape != val.shape:
+        raise ValueError(f"output shape {val.shape} does not match cupa's {ref.shape}")
+    denom = float(np.linalg.norm(ref))
+    num = float(np.linalg.norm(val - ref))
+    return num / denom if denom else num
+
+
+class Suite:
+    """A named group of items; ``run`` returns one record (or a list of them) per item."""
+
+    name = ""
+    description = ""
+
+    def items(self, size: str) -> list:
+        raise NotImplementedError
+
+    def skip_reason(self, ctx: Context) -> Optional[str]:
+        """Why this suite cannot run here (None: it can)."""
+        return None
+
+    def run(self, item, ctx: Context):
+        raise NotImplementedError
+
+
+def base_record(item) -> dict:
+    rec = {"suite": item.suite, "case": item.name, "id": item.id}
+    if isinstance(item, Case):
+        rec.update(params=item.params(), tags=item.tag, bytes=item.kv_bytes(), flops=item.flops())
+    else:
+        rec.update(params=item.param, tags=dict(item.tags))
+    rec.update(cupa=None, variants={}, peers={})
+    return rec
+
+
+def time_cupa(built: Built, ctx: Context, options=None):
+    """``(record, output)``: cupa's timing of ``built`` (status "ok", "not served" or "error")."""
+    rt = ctx.runtime
+    case = built.case
+    try:
+        op = cupa.PagedAttention(**built.attributes, options=options)
+        inputs = built.call_inputs()
+        backend = op.plan(**inputs).backend
+        out = rt.xp.empty((case.token_count, case.num_heads * case.out_head_size), dtype=inputs["query"].dtype)
+        result = rt.time_us(lambda: op(**inputs, out=out), ctx.reps)
+    except cupa.PagedAttentionError as exc:
+        return {"status": "not served", "reason": str(exc)}, None
+    except Exception as exc:  # a kernel that fails to compile or launch: record it, keep going
+        return {"status": "error", "reason": error_text(exc)}, None
+    return {"status": "ok", "backend": backend.name, **result}, out
+
+
+def time_peer(peer, built: Built, ctx: Context, reference) -> dict:
+    ok, why = peer.available()
+    if not ok:
+        return {"status": "missing", "reason": why}
+    prepared = None
+    try:
+        prepared = peer.prepare(built, ctx.runtime)
+        entry = {"status": "ok", **ctx.runtime.time_us(prepared.fn, ctx.reps)}
+    except Unsupported as exc:
+        return {"status": "unsupported", "reason": str(exc)}
+    except Exception as exc:
+        return {"status": "error", "reason": error_text(exc)}
+    if prepared.note:
+        entry["note"] = prepared.note
+    if reference is not None:
+        try:
+            entry["rel_err_vs_cupa"] = rel_err(reference, prepared.output())
+        except Exception as exc:
+            entry["check_error"] = error_text(exc)
+    return entry
+
+
+class AttentionSuite(Suite):
+    """Cases of :mod:`cupa.bench.sweeps` run through cupa, its backend variants and every peer.
+
+    ``variants``: ``(label, cupa.Options)`` pairs timed beside cupa's own choice (on a device: they
+    name CUDA backends).
+    """
+
+    def __init__(self, name: str, description: str, variants: tuple = ()):
+        self.name = name
+        self.description = description
+        self.variants = variants
+
+    def items(self, size: str) -> list:
+        return sweeps.attention_cases(self.name, size)
+
+    def run(self, case: Case, ctx: Context) -> dict:
+        rt = ctx.runtime
+        rec = base_record(case)
+        built = out = None
+        with rt.stream_context():
+            try:
+                built = build(case, rt.xp, seed=ctx.seed)
+                rec["cupa"], out = time_cupa(built, ctx)
+                for label, options in self.variants if rt.on_device else ():
+                    rec["variants"][label] = self._variant(built, ctx, options, rec["cupa"], out)
+                if _memory_bound(case, ctx.rooflines):
+                    rec["read_probe"] = rt.read_probe(case.kv_bytes(), ctx.reps)
+                for peer in ctx.peers_for(self.name):
+                    rec["peers"][peer.name] = time_peer(peer, built, ctx, out)
+            finally:
+                del built, out
+                rt.free()
+        return rec
+
+    @staticmethod
+    def _variant(built: Built, ctx: Context, options, default: dict, reference) -> dict:
+        try:
+            backend = cupa.PagedAttention(**built.attributes, options=options).plan(**built.call_inputs()).backend
+        except cupa.PagedAttentionError as exc:
+            return {"status": "not served", "reason": str(exc)}
+        if default.get("backend") == backend.name:
+            return {"status": "same as default", "backend": backend.name}
+        entry, out = time_cupa(built, ctx, options)
+        if out is not None and reference is not None:
+            entry["rel_err_vs_cupa"] = rel_err(reference, out)
+        return entry
+
+
+def _memory_bound(case: Case, rooflines: dict) -> bool:
+    bw = rooflines.get("read", {}).get("tb_per_s")
+    fl = rooflines.get("gemm", {}).get("tflop_per_s")
+    if not bw or not fl:
+        return True
+    return case.kv_bytes() / bw >= case.flops() / fl
+
+
+class CascadeSuite(Suite):
+    """Decode over a prefix shared by every sequence: one plain paged call (each block table starts with
+    the shared blocks) against the cascade -- the shared prefix attended once by all B queries as one
+    non-causal sequence (writes skipped: slot_mapping -1), each sequence's own suffix, and
+    ``cupa.merge_states`` of the two partial states (needs ``return_lse``)."""
+
+    name = "cascade"
+    description = "shared-prefix decode: cascade (prefix once + suffix + merge_states) vs plain paged"
+    CASES = {"full": [(64, 8192, 512), (128, 32768, 1024), (32, 4096, 4096)], "quick": [(64, 8192, 512)],
+             "smoke": [(3, 16, 6)]}
+
+    def items(self, size: str) -> list:
+        extra = sweeps.SMOKE if size == "smoke" else {}
+        bs = 4 if size == "smoke" else 16
+        return [Step("cascade", f"B={B} prefix={P} suffix={S}", tuple(sorted(dict(B=B, prefix=P, suffix=S,
+                     block_size=bs, **extra).items()))) for B, P, S in self.CASES[size]]
+
+    def skip_reason(self, ctx: Context) -> Optional[str]:
+        if not hasattr(cupa, "merge_states"):
+            return "cupa.merge_states is not part of this build (the cascade suite needs it)"
+        return None
+
+    def run(self, step: Step, ctx: Context) -> dict:
+        rt = ctx.runtime
+        xp = rt.xp
+        p = step.param
+        B, P, S, bs = p["B"], p["prefix"], p["suffix"], p["block_size"]
+        H, Hk, D = p.get("num_heads", 32), p.get("kv_num_heads", 8), p.get("head_size", 128)
+        rec = base_record(step)
+        rec["bytes"] = 2 * Hk * D * 2 * (P + B * S)     # fp16 K and V: the prefix once, each suffix
+        rng = np.random.default_rng(ctx.seed)
+        nbp, nbs = math.ceil(P / bs), math.ceil(S / bs)
+        perm = rng.permutation(nbp + B * nbs).astype(np.int32)
+        shared, own = perm[:nbp], perm[nbp:].reshape(B, nbs)
+        shape = (nbp + B * nbs, bs, Hk, D)
+        normal = lambda s: xp.asarray(rng.standard_normal(s, dtype=np.float32).astype(np.float16))  # noqa: E731
+        kc, vc = normal(shape), normal(shape)
+        q, k, v = normal((B, H * D)), normal((B, Hk * D)), normal((B, Hk * D))
+        arange = xp.asarray(np.arange(B + 1, dtype=np.int32))
+        plain_bt = xp.asarray(np.concatenate([np.broadcast_to(shared, (B, nbp)), own], axis=1))
+        plain = cupa.PagedAttention(num_heads=H, kv_num_heads=Hk)
+        prefix = cupa.PagedAttention(num_heads=H, kv_num_heads=Hk, is_causal=0, return_lse=True)
+        suffix = cupa.PagedAttention(num_heads=H, kv_num_heads=Hk, return_lse=True)
+        past_plain = xp.asarray(np.full(B, P + S - 1, dtype=np.int32))
+        prefix_in = dict(query=q, key=k, value=v, key_cache=kc, value_cache=vc,
+                         cumulative_sequence_length=xp.asarray(np.array([0, B], dtype=np.int32)),
+                         past_seqlens=xp.asarray(np.array([P - B], dtype=np.int32)),
+                         block_table=xp.asarray(shared[None, :]),
+                         slot_mapping=xp.asarray(np.full(B, -1, dtype=np.int32)),
+                         attention_metadata=np.array([B, P], dtype=np.int32))
+        suffix_in = dict(query=q, key=k, value=v, key_cache=kc, value_cache=vc, cumulative_sequence_length=arange,
+                         past_seqlens=xp.asarray(np.full(B, S - 1, dtype=np.int32)), block_table=xp.asarray(own),
+                         attention_metadata=np.array([1, S], dtype=np.int32))
+        result = {}
+
+        def cascade():
+            o1, l1 = prefix(**prefix_in)
+            o2, l2 = suffix(**suffix_in)
+            result["o"] = cupa.merge_states([o1, o2], [l1, l2])
+
+        def plain_call():
+            result["plain"] = plain(q, k, v, kc, vc, arange, past_plain, plain_bt,
+                                    attention_metadata=np.array([1, P + S], dtype=np.int32))
+
+        with rt.stream_context():
+            for label, fn, slot in (("cupa", cascade, None), ("plain paged", plain_call, "variants")):
+                try:
+                    entry = {"status": "ok", **rt.time_us(fn, ctx.reps)}
+                except cupa.PagedAttentionError as exc:
+                    entry = {"status": "not served", "reason": str(exc)}
+                except Exception as exc:
+                    entry = {"status": "error", "reason": error_text(exc)}
+                if slot is None:
+                    rec["cupa"] = entry
+                else:
+                    rec["variants"][label] = entry
+            if "o" in result and "plain" in result:
+                merged = result["o"][0] if isinstance(result["o"], tuple) else result["o"]
+                rec["variants"]["plain paged"]["rel_err_vs_cupa"] = rel_err(merged, result["plain"])
+        rt.free()
+        return rec
+
+
+#: Order of the suites in a run and in the tables.
+SUITE_ORDER = ("decode", "prefill", "chunked", "mixed", "mla", "subbyte", "cascade", "graphs", "host", "serving")
+
+
+def all_suites() -> dict:
+    from .steps import GraphsSuite, HostSuite, ServingSuite
+
+    mma_sync = (("mma.sync", cupa.Options(backend="prefill")),)
+    suites = [
+        AttentionSuite("decode", "one new token per sequence (decode)"),
+        AttentionSuite("prefill", "causal prefill, nothing cached", mma_sync),
+        AttentionSuite("chunked", "chunked prefill after a cached past", mma_sync),
+        AttentionSuite("mixed", "decode sequences and prefill chunks in one call", mma_sync),
+        AttentionSuite("mla", "absorbed MLA (LATENT layout, 576/512)",
+                       (("mla backend", cupa.Options(backend="mla")),)),
+        AttentionSuite("subbyte", "int4 / float4 e2m1 caches"),
+        CascadeSuite(), GraphsSuite(), HostSuite(), ServingSuite(),
+    ]
+    return {s.name: s for s in sorted(suites, key=lambda s: SUITE_ORDER.index(s.name))}

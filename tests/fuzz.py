@@ -1,0 +1,226 @@
+"""Differential fuzz of the CUDA backends against the NumPy reference: ``python -m tests.fuzz --n 2000``.
+
+Each configuration is drawn from its own seed (printed, and written to the JSON log) over the whole
+contract: T, head sizes (multiples of 8 up to 256), block sizes (1, non-powers of two, up to 256), GQA
+groups, ragged batches with zero-token sequences, packed QKV, RoPE (half or interleaved, partial,
+offset), QK-norm, sinks, softcap, windows, is_causal=0, explicit slots and positions, T / int8 / fp8
+caches with mixed granularities, attention_metadata absent, tight or loose, an empty cache, and
+malformed data (bad block ids, bad slots, negative or oversized lengths, decreasing cum, negative or
+out-of-range positions). Every configuration runs on the backend dispatch chooses and on every other
+CUDA backend that serves it (``cupa.Options(backend=...)``, verified or not), with the output poisoned.
+The output must be within the tolerances of contract §6 of the reference, every output element written,
+and the caches within one ulp of T (T caches) or one code (quantized) of the reference's caches.
+
+Replay one configuration with ``python -m tests.fuzz --seed S --n 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+import cupa
+from cupa import dispatch
+from tests import gpu_cases as gc
+
+HEAD_SIZES = (8, 16, 32, 40, 64, 64, 96, 128, 128, 128, 256)
+BLOCK_SIZES = (1, 3, 8, 16, 16, 16, 17, 32, 64, 256)
+GROUPS = ((1, 1), (4, 4), (8, 2), (8, 1), (12, 4), (16, 2), (32, 8), (6, 3))
+
+
+def draw(seed: int) -> tuple:
+    """``(inputs, attrs, metadata, description)`` of configuration ``seed`` (NumPy arrays)."""
+    rng = np.random.default_rng(seed)
+    pick = lambda seq: seq[int(rng.integers(len(seq)))]  # noqa: E731
+    dtype = pick(("float16", "float16", "bfloat16", "float32"))
+    D = pick(HEAD_SIZES)
+    H, Hk = pick(GROUPS)
+    block_size = pick(BLOCK_SIZES)
+    B = int(rng.integers(1, 7))
+    shape = pick(("decode", "decode", "prefill", "chunked", "mixed"))
+    if shape == "decode":
+        q_lens = [1] * B
+    elif shape == "prefill":
+        q_lens = [int(rng.integers(0, 90)) for _ in range(B)]
+    else:
+        q_lens = [int(rng.choice([0, 1, int(rng.integers(2, 70))])) for _ in range(B)]
+    past = [0 if shape == "prefill" else int(rng.integers(0, 300)) for _ in range(B)]
+    if sum(q_lens) == 0:
+        q_lens[0] = 1
+    cache = "T" if dtype == "float32" else pick(("T", "T", "int8", "fp8"))
+    quants = ("PER_TENSOR", "PER_CHANNEL")
+    kw = dict(B=B, H=H, Hk=Hk, D=D, block_size=block_size, dtype=dtype, q_lens=q_lens, past=past, cache=cache,
+              k_quant=pick(quants), v_quant=pick(quants), packed=bool(rng.random() < 0.2),
+              qk_norm=bool(rng.random() < 0.2), sink=bool(rng.random() < 0.3),
+              softcap=float(pick((0.0, 0.0, 0.0, 20.0))), window=int(pick((-1, -1, -1, 1, 7, 40, 200))),
+              is_causal=int(rng.random() < 0.85), query_positions=bool(rng.random() < 0.15),
+              block_table=pick(("shuffled", "shuffled", "shared", "unmapped")),
+              spare_blocks=int(rng.integers(0, 4)))
+    if rng.random() < 0.3:
+        rotary_dim = pick(tuple(r for r in (D, D // 2, 16, 8) if r >= 2 and r % 2 == 0 and r <= D))
+        offsets = [o for o in range(0, D - rotary_dim + 1, 8)]
+        kw.update(rotary=True, interleaved=bool(rng.random() < 0.5), rotary_dim=rotary_dim,
+                  rotary_offset=pick(offsets))
+    inputs, attrs = gc.build(rng, **kw)
+    notes = [shape]
+    if rng.random() < 0.15:                                     # explicit slots, some skipped or out of range
+        slots = np.asarray(gc.derived_slots(inputs, block_size), dtype=np.int32)
+        n = len(slots)
+        if n:
+            bad = rng.random(n)
+            slots[bad < 0.1] = -1
+            slots[(bad >= 0.1) & (bad < 0.15)] = inputs["key_cache"].shape[0] * block_size + 5
+        inputs["slot_mapping"] = slots
+        notes.append("slot_mapping")
+    malformed = rng.random()
+    if malformed < 0.06:
+        inputs["past_seqlens"][int(rng.integers(B))] = -3
+        notes.append("negative past")
+    elif malformed < 0.10:
+        inputs["block_table"][int(rng.integers(B)), 0] = inputs["key_cache"].shape[0] + 11
+        notes.append("block id out of range")
+    elif malformed < 0.13 and B > 1:
+        cum = inputs["cumulative_sequence_length"]
+        b = int(rng.integers(1, B))
+        cum[b] = cum[b + 1] + 1 if cum[b + 1] + 1 <= cum[-1] else cum[b]
+        notes.append("decreasing cum")
+    elif malformed < 0.16:
+        inputs["past_seqlens"][int(rng.integers(B))] = inputs["block_table"].shape[1] * block_size + 2
+        notes.append("kv_len beyond the table")
+    elif malformed < 0.19 and "query_positions" in inputs and len(inputs["query_positions"]):
+        qp = inputs["query_positions"]
+        qp[int(rng.integers(len(qp)))] = -1 if rng.random() < 0.5 else 1 << 20
+        notes.append("bad position")
+    elif malformed < 0.21:
+        inputs["key_cache"] = inputs["key_cache"][:0].copy()
+        inputs["value_cache"] = inputs["value_cache"][:0].copy()
+        inputs["block_table"][:] = -1
+        notes.append("empty cache")
+    metadata = None
+    md = rng.random()
+    q_lens_now = np.diff(inputs["cumulative_sequence_length"])
+    kv_lens = inputs["past_seqlens"] + q_lens_now
+    if md < 0.4:
+        metadata = [int(max(q_lens_now.max(), 0)), int(max(kv_lens.max(), 1))]
+        notes.append("tight metadata")
+    elif md < 0.6:
+        metadata = [int(q_lens_now.max()) + 7, int(kv_lens.max()) + 1000]
+        notes.append("loose metadata")
+    if inputs.get("query_positions") is not None and attrs.get("do_rotary"):
+        inputs["query_positions"] = np.minimum(inputs["query_positions"], inputs["cos_cache"].shape[0] + 3)
+    desc = dict(seed=seed, dtype=dtype, D=D, H=H, Hk=Hk, block_size=block_size, B=B, cache=cache, notes=notes,
+                q_lens=[int(x) for x in q_lens_now], past=[int(x) for x in inputs["past_seqlens"]])
+    return inputs, attrs, metadata, desc
+
+
+def backends_for(inputs, attrs, metadata) -> list:
+    """Every CUDA backend name that serves this call (by its reasons, verified or not)."""
+    import cupy as cp
+
+    from cupa.device import device_info
+
+    op = cupa.PagedAttention(**attrs)
+    dev = gc.to_device(cp, inputs)
+    problem = op._problem(op._bind((), dict(dev, attention_metadata=metadata)))
+    device = device_info(cp.cuda.runtime.getDevice())
+    options = cupa.Options()
+    return [b.name for b in dispatch.cuda_backends() if not b.not_supported_reasons(problem, device, options)]
+
+
+MALFORMED = ("negative past", "block id out of range", "decreasing cum", "kv_len beyond the table", "bad position",
+             "empty cache", "slot_mapping")
+
+
+def is_malformed(desc: dict) -> bool:
+    return any(n in MALFORMED for n in desc["notes"])
+
+
+def check_one(seed: int, only=None, malformed_only: bool = False) -> dict:
+    """Run configuration ``seed`` on every serving backend (or only on ``only``); returns its log record
+    (``ok`` and errors). ``malformed_only``: skip (``skipped``) configurations with well-formed data."""
+    import cupy as cp
+
+    inputs, attrs, metadata, desc = draw(seed)
+    record = dict(desc, backends={}, ok=True)
+    if malformed_only and not is_malformed(desc):
+        record["skipped"] = True
+        return record
+    names = [n for n in backends_for(inputs, attrs, metadata) if only is None or n == only]
+    if not names:
+        record["backends"]["(none)"] = "no CUDA backend serves it"
+        return record
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    ref = cupa.paged_attention(**ref_in, attention_metadata=metadata, **attrs)
+    dtype, cache = desc["dtype"], desc["cache"]
+    for name in names:
+        dev = gc.to_device(cp, inputs)
+        N, H = inputs["query"].shape[0], attrs["num_heads"]
+        D = desc["D"]
+        out = cp.full((N, H * D), np.nan, dtype=dev["query"].dtype)
+        try:
+            cupa.paged_attention(**dev, attention_metadata=metadata, out=out, options=cupa.Options(backend=name),
+                                 **attrs)
+            cp.cuda.get_current_stream().synchronize()
+            host = cp.asnumpy(out)
+            problems = []
+            if np.isnan(host.astype(np.float32)).any():
+                problems.append("unwritten (NaN-poisoned) output elements")
+            err = gc.rel_error(host, ref)
+            if not err < gc.TOLERANCE[dtype]:
+                problems.append(f"relative error {err:.3g} >= {gc.TOLERANCE[dtype]}")
+            for which in ("key_cache", "value_cache"):
+                try:
+                    gc.assert_cache_close(cp.asnumpy(dev[which]), ref_in[which], cache, dtype, which)
+                except AssertionError as exc:
+                    problems.append(str(exc))
+            record["backends"][name] = "ok" if not problems else "; ".join(problems)
+            record["ok"] &= not problems
+        except Exception as exc:  # a crash is a mismatch too
+            record["backends"][name] = f"{type(exc).__name__}: {exc}"
+            record["ok"] = False
+    return record
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=2000, help="configurations (default 2000)")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the first configuration (then +1 each)")
+    ap.add_argument("--out", default=None, help="JSON log of every configuration")
+    ap.add_argument("--backend", default=None, help="run only this backend (default: every one that serves)")
+    ap.add_argument("--malformed", action="store_true",
+                    help="only configurations with malformed data or skipped slots (for compute-sanitizer)")
+    args = ap.parse_args(argv)
+    records, start = [], time.perf_counter()
+    for seed in range(args.seed, args.seed + args.n):
+        r = check_one(seed, args.backend, args.malformed)
+        if r.get("skipped"):
+            continue
+        records.append(r)
+        if not r["ok"]:
+            print(f"MISMATCH seed {seed}: {json.dumps(r)}", flush=True)
+        if len(records) % 100 == 0:
+            bad = sum(not x["ok"] for x in records)
+            print(f"{len(records)} configurations, {bad} mismatches, {time.perf_counter() - start:.0f} s", flush=True)
+    bad = [r for r in records if not r["ok"]]
+    runs = sum(len(r["backends"]) for r in records)
+    per_backend = {}
+    for r in records:
+        for name, verdict in r["backends"].items():
+            c = per_backend.setdefault(name, [0, 0])
+            c[0] += 1
+            c[1] += verdict != "ok" and name != "(none)"
+    print(f"summary: {len(records)} configurations, {runs} backend runs, {len(bad)} mismatches; per backend "
+          + ", ".join(f"{k} {v[0]} runs / {v[1]} bad" for k, v in sorted(per_backend.items()))
+          + f"; {time.perf_counter() - start:.0f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"configurations": len(records), "mismatches": len(bad), "records": records}, f)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
