@@ -19,6 +19,7 @@ constant index arrays of the prefix call).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -140,10 +141,12 @@ class CascadeAttention:
                      suffix_metadata=_shifted_metadata(p, P), constants={})
 
     def describe(self, *args, **kwargs) -> str:
-        """How a call with these inputs is run: the prefix form and sizes, the suffix and the merge."""
+        """How a call with these inputs is run: the prefix form and sizes, the backends of the prefix and
+        suffix calls, and the merge (nothing is launched)."""
         inputs = bind_inputs(args, kwargs)
         p = self._plain.plan(*(inputs[n] for n in INPUT_NAMES)).problem
         step = self._step(p, arrays.device_key(inputs["query"]))
+        prefix_plan, suffix_plan = self._plans(step, inputs)
         P = self.prefix_len
         if step.mode == "heads":
             prefix = (f"one decode token with the {p.token_count} tokens' {p.token_count * p.num_heads} query heads "
@@ -151,9 +154,54 @@ class CascadeAttention:
         else:
             prefix = (f"{step.prefix_rows} sequence(s) of the {p.token_count} tokens at their own positions over "
                       f"the {P} shared positions")
-        return (f"cascade attention, prefix_mode={step.mode!r}: prefix = {prefix}; suffix = the call on each "
-                f"sequence's positions >= {P} (block-table columns from {step.prefix_blocks}); merge_states of "
-                "the two with head_sink")
+        return (f"cascade attention, prefix_mode={step.mode!r}: prefix = {prefix} [{prefix_plan.backend.name}]; "
+                f"suffix = the call on each sequence's positions >= {P} (block-table columns from "
+                f"{step.prefix_blocks}) [{suffix_plan.backend.name}]; merge_states of the two with head_sink")
+
+    def backends(self, *args, **kwargs) -> tuple:
+        """The names of the backends that run the prefix and the suffix call for these inputs."""
+        inputs = bind_inputs(args, kwargs)
+        p = self._plain.plan(*(inputs[n] for n in INPUT_NAMES)).problem
+        prefix_plan, suffix_plan = self._plans(self._step(p, arrays.device_key(inputs["query"])), inputs)
+        return prefix_plan.backend.name, suffix_plan.backend.name
+
+    def _plans(self, step: "_Step", inputs: dict) -> tuple:
+        """The plans of the prefix and suffix calls, from arrays of their inputs' shapes (allocated, not
+        filled: no kernel runs)."""
+        p = step.problem
+        if dispatch.call_device(inputs) is None:
+            x, xp = inputs, np
+        else:
+            import cupy as xp
+
+            tensors = {n: v for n, v in inputs.items() if n != "attention_metadata"}
+            x, device = arrays.device_arrays(tensors, arrays.resolve_stream(None, inputs["query"]))
+            x["attention_metadata"] = inputs["attention_metadata"]
+        T, N = arrays.numpy_dtype(p.dtype), p.token_count
+        with (xp.cuda.Device(device) if xp is not np else contextlib.nullcontext()):
+            idx = lambda *shape: xp.empty(shape, np.int32)   # noqa: E731
+            common = dict(key_cache=x["key_cache"], value_cache=x["value_cache"],
+                          cumulative_sequence_length=idx(step.prefix_rows + 1), past_seqlens=idx(step.prefix_rows),
+                          block_table=idx(step.prefix_rows, step.prefix_blocks), q_norm_weight=x["q_norm_weight"],
+                          k_norm_weight=x["k_norm_weight"], k_scale=x["k_scale"], v_scale=x["v_scale"],
+                          attention_metadata=step.prefix_metadata)
+            if step.mode == "heads":
+                width = p.head_size if p.latent else p.kv_num_heads * p.head_size
+                prefix = step.prefix_op.plan(xp.empty((1, N * p.num_heads * p.head_size), T), xp.empty((1, width), T),
+                                             None if p.latent else xp.empty((1, width), T), slot_mapping=idx(1),
+                                             **common)
+            else:
+                prefix = step.prefix_op.plan(x["query"], x["key"], x["value"], cos_cache=x["cos_cache"],
+                                             sin_cache=x["sin_cache"], slot_mapping=idx(N), query_positions=idx(N),
+                                             **common)
+            cos, sin, P = x["cos_cache"], x["sin_cache"], self.prefix_len
+            suffix = self._suffix.plan(
+                x["query"], x["key"], x["value"], x["key_cache"], x["value_cache"], x["cumulative_sequence_length"],
+                x["past_seqlens"], idx(p.batch_size, p.max_blocks_per_seq - step.prefix_blocks),
+                None if cos is None else cos[P:], None if sin is None else sin[P:], x["slot_mapping"], None,
+                x["q_norm_weight"], x["k_norm_weight"], x["k_scale"], x["v_scale"], step.suffix_metadata,
+                x["query_positions"], None)
+        return prefix, suffix
 
     # -- execution ----------------------------------------------------------------------
     def __call__(self, *args, out=None, stream=None, **kwargs):

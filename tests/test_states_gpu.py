@@ -251,3 +251,20 @@ def test_steps_that_merge_are_capturable(cp, rng):
         g.stream.synchronize()
         assert np.array_equal(cp.asnumpy(out).view(np.uint16), eager.view(np.uint16))
         assert np.array_equal(cp.asnumpy(cascade_out).view(np.uint16), eager_cascade.view(np.uint16))
+
+
+@pytest.mark.slow
+def test_cascade_speedup_on_the_issue_case(tmp_path):
+    """Issue 21's case (B=64 decode sequences sharing an 8192-token prefix, 256 own tokens, fp16 GQA 32/8,
+    D=128) through the cascade suite of python -m cupa.bench: the cascade step >= 5x the plain call."""
+    import json
+
+    from cupa.bench import cli
+
+    out = tmp_path / "cascade.json"
+    assert cli.main(["--only", "cascade:B=64 prefix=8192 suffix=256", "--no-peers", "--no-plots", "--reps", "10",
+                     "--out", str(out)]) == 0
+    rec = next(r for r in json.loads(out.read_text())["cases"] if r["suite"] == "cascade")
+    assert rec["cupa"]["status"] == "ok", rec["cupa"]
+    assert rec["cupa"]["rel_err_vs_plain"] < 2e-3
+    assert rec["cupa"]["speedup_vs_plain"] >= 5.0, rec
