@@ -259,7 +259,7 @@ class CascadeAttention:
             d = _derive_device(step, x, self.prefix_len, stream, kernels)
             o_pre, lse_pre = self._prefix(step, x, d, cupy, stream)
             o_suf, lse_suf = self._suffix_call(step, x, d, stream)
-            _capture.keep_alive(out_view, lse_view, o_pre, lse_pre)
+            _capture.keep_alive(out_view, lse_view)
         kernels.merge([o_pre, o_suf], [lse_pre, lse_suf], x["head_sink"], out_view, lse_view, p.num_heads, stream)
         output = arrays.wrap_output(out_view, query, stream)
         if lse_view is None:
@@ -280,11 +280,12 @@ class CascadeAttention:
                                   sin_cache=x["sin_cache"], query_positions=d["prefix_positions"], **common)
         q = x["query"][:, :H * D].reshape(N, Hk, G, D)
         stacked = xp.ascontiguousarray(q.transpose(1, 0, 2, 3)).reshape(1, N * H * D)
-        o, lse = step.prefix_op(stacked, c["key"], c["value"], **common)
-        o = xp.ascontiguousarray(o.reshape(Hk, N, G, Dv).transpose(1, 0, 2, 3)).reshape(N, H * Dv)
+        o_stacked, lse_stacked = step.prefix_op(stacked, c["key"], c["value"], **common)
+        o = xp.ascontiguousarray(o_stacked.reshape(Hk, N, G, Dv).transpose(1, 0, 2, 3)).reshape(N, H * Dv)
         valid = (d["prefix_positions"] >= 0)[:, None, None]
-        lse = xp.where(valid, lse.reshape(Hk, N, G).transpose(1, 0, 2), -np.inf).astype(np.float32).reshape(N, H)
-        return o, lse
+        lse = xp.where(valid, lse_stacked.reshape(Hk, N, G).transpose(1, 0, 2), -np.inf).astype(np.float32)
+        _capture.keep_alive(stacked, o_stacked, lse_stacked, o, lse)   # a captured graph writes them at every replay
+        return o, lse.reshape(N, H)
 
     def _suffix_call(self, step: "_Step", x: dict, d: dict, stream) -> tuple:
         """The suffix state: the plain call on positions >= prefix_len, shifted down by prefix_len."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import jit
+from .. import _capture, jit
 from . import registry, types
 
 #: states passed one pointer each (mirrors MERGE_LISTED in states.cu); more come as one strided array
@@ -63,7 +63,9 @@ def merge(outputs, lses, head_sink, out, out_lse, num_heads: int, stream) -> Non
         return
     head_width = width // num_heads
     if not stacked and num_states > MERGE_LISTED:
-        outputs, lses, stacked = cupy.stack(outputs), cupy.stack(lses), True
+        with cupy.cuda.Device(out.data.device_id), stream:
+            outputs, lses, stacked = cupy.stack(outputs), cupy.stack(lses), True
+        _capture.keep_alive(outputs, lses)
     arg = np.zeros(1, dtype=MERGE_INPUTS)
     if stacked:
         arg["out"][0, 0], arg["lse"][0, 0] = outputs.data.ptr, lses.data.ptr
