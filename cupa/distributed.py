@@ -18,7 +18,7 @@ This module imports torch; ``import cupa`` never does (install the ``distributed
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist

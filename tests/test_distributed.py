@@ -153,7 +153,7 @@ def check_tensor_parallel(rank, world, group, rng, features, device=None):
 
 
 def _checks(rank, seed):
-    """Every multi-process check, on the default group (WORLD ranks) and subgroups of 2 and 3 ranks."""
+    """Every multi-process check on the CPU, on the default group (WORLD ranks) and subgroups of 2 and 3."""
     import torch.distributed as dist
 
     groups = {n: dist.new_group(list(range(n))) for n in (2, 3)}   # every rank creates every group
@@ -170,39 +170,47 @@ def _checks(rank, seed):
                 check_tensor_parallel(rank, n, group, np.random.default_rng([seed, n, 50 + i]), features)
 
 
-def _worker(rank, world, rendezvous, seed):
-    import time
+def _rank_main(rank, world, rendezvous, seed, backend, checks):
+    """One rank: join the group, run ``checks(rank, seed)``; a failure's traceback is written beside the
+    rendezvous file (the first rank to fail says why; the others then fail in a collective)."""
     import traceback
 
     import torch.distributed as dist
 
-    start = time.perf_counter()
-    torch.set_num_threads(1)   # a forked child never enters the parent's intra-op thread pool
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)   # a forked child never enters the parent's intra-op thread pool
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
-        _checks(rank, seed)
+        checks(rank, seed)
+        if backend == "nccl":
+            torch.cuda.synchronize()
         dist.barrier()
-        if rank == 0:
-            print(f"checks on {world} ranks: {time.perf_counter() - start:.1f} s", flush=True)
     except BaseException:
-        # the first rank to fail says why; the others then fail in a collective
         Path(f"{rendezvous}.rank{rank}").write_text(traceback.format_exc())
         raise
     finally:
         dist.destroy_process_group()
 
 
-def test_context_and_tensor_parallel_on_gloo(rng, tmp_path):
+def run_ranks(checks, world: int, backend: str, tmp_path, seed: int, start_method: str) -> None:
+    """Run ``checks(rank, seed)`` on ``world`` processes joined in one ``backend`` group; fail with the
+    traceback of the first rank that failed for a reason of its own."""
     import torch.multiprocessing as mp
 
-    seed = int(rng.integers(1 << 31))
     rendezvous = tmp_path / "rendezvous"
     try:
-        mp.start_processes(_worker, args=(WORLD, str(rendezvous), seed), nprocs=WORLD, join=True, start_method="fork")
+        mp.start_processes(_rank_main, args=(world, str(rendezvous), seed, backend, checks), nprocs=world,
+                           join=True, start_method=start_method)
     except mp.ProcessRaisedException:
         causes = [p.read_text() for p in sorted(tmp_path.glob("rendezvous.rank*"))]
         first = next((c for c in causes if "Connection closed by peer" not in c), causes[0] if causes else "")
         pytest.fail(f"a rank failed:\n{first}")
+
+
+def test_context_and_tensor_parallel_on_gloo(rng, tmp_path):
+    run_ranks(_checks, WORLD, "gloo", tmp_path, int(rng.integers(1 << 31)), "fork")
 
 
 # ------------------------------------------------------------------------------------------------

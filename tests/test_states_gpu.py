@@ -16,21 +16,6 @@ from tests.util import T_DTYPES, assert_within_ulp, rel_err, shard_block_tables
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture
-def torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    return torch
-
-
 def _states(rng, S, N=37, H=4, Dv=128, dtype="float16"):
     T = T_DTYPES[dtype]
     outs = [rng.standard_normal((N, H * Dv)).astype(T) for _ in range(S)]
@@ -92,7 +77,8 @@ def test_merge_kernel_in_place(cp, rng):
     assert np.array_equal(cp.asnumpy(got_lse), want_lse)
 
 
-def test_merge_torch_cuda_tensors_on_a_side_stream(cp, torch, rng):
+def test_merge_torch_cuda_tensors_on_a_side_stream(cp, torch_cuda, rng):
+    torch = torch_cuda
     outs, lses = _states(rng, 3, dtype="bfloat16")
     want = cupa.merge_states([cp.asarray(o) for o in outs], [cp.asarray(x) for x in lses])
     t_outs = [torch.from_numpy(o.view(np.int16)).view(torch.bfloat16).cuda() for o in outs]
@@ -215,7 +201,8 @@ def test_cascade_equals_the_plain_call_on_the_device(cp, rng, mode, features):
         assert np.array_equal(cp.asnumpy(dev[name]).view(np.uint8), cp.asnumpy(plain[name]).view(np.uint8)), name
 
 
-def test_cascade_with_torch_tensors(cp, torch, rng):
+def test_cascade_with_torch_tensors(cp, torch_cuda, rng):
+    torch = torch_cuda
     inputs, attrs = _shared_prefix(rng, B=8, sink=True)
     want_out = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()},
                                     **gc.host_attrs(attrs))
