@@ -15,9 +15,9 @@ from .states import merge_states
 __version__ = "0.1.0"
 
 __all__ = [
-    "paged_attention", "PagedAttention", "PagedAttentionError", "CascadeAttention", "cascade_attention", "Options", "Attributes", "Problem",
-    "rope_cache", "compute_scale", "quantize", "dequantize", "merge_states", "capture_graph",
-    "CapturedGraph", "GraphCaptureError", "__version__",
+    "paged_attention", "PagedAttention", "PagedAttentionError", "CascadeAttention", "cascade_attention", "Options",
+    "Attributes", "Problem", "rope_cache", "compute_scale", "quantize", "dequantize", "merge_states", "capture_graph",
+    "CapturedGraph", "GraphCaptureError", "serving", "__version__",
 ]
 
 
@@ -27,4 +27,8 @@ def __getattr__(name):
         from . import graphs
 
         return getattr(graphs, name)
+    if name == "serving":
+        import importlib
+
+        return importlib.import_module(".serving", __name__)
     raise AttributeError(f"module 'cupa' has no attribute {name!r}")
