@@ -283,7 +283,7 @@ class CascadeAttention:
         o_stacked, lse_stacked = step.prefix_op(stacked, c["key"], c["value"], **common)
         o = xp.ascontiguousarray(o_stacked.reshape(Hk, N, G, Dv).transpose(1, 0, 2, 3)).reshape(N, H * Dv)
         valid = (d["prefix_positions"] >= 0)[:, None, None]
-        lse = xp.where(valid, lse_stacked.reshape(Hk, N, G).transpose(1, 0, 2), -np.inf).astype(np.float32)
+        lse = xp.where(valid, lse_stacked.reshape(Hk, N, G).transpose(1, 0, 2), np.float32(-np.inf))
         _capture.keep_alive(stacked, o_stacked, lse_stacked, o, lse)   # a captured graph writes them at every replay
         return o, lse.reshape(N, H)
 
