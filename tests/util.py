@@ -526,14 +526,15 @@ def assert_rel(out, ref, dtype, factor=1.0, what="output"):
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
 
 
-def assert_lse_close(got, want, what="lse"):
-    """float32 lse against a reference: -inf exactly where the reference is, else within float32 rounding."""
+def assert_lse_close(got, want, what="lse", tol=2e-6):
+    """float32 lse against a reference: -inf exactly where the reference is, else within ``tol`` (relative
+    and absolute; the default is float32 rounding of a float64 result; a CUDA backend's fp32 lse needs ~1e-4)."""
     got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     assert got.shape == want.shape, (got.shape, want.shape)
     empty = np.isneginf(want)
     assert np.array_equal(np.isneginf(got), empty), f"{what}: -inf at other places than the reference"
     assert np.all(np.isfinite(got[~empty])), f"{what}: non-finite values"
-    np.testing.assert_allclose(got[~empty], want[~empty], rtol=2e-6, atol=2e-6, err_msg=what)
+    np.testing.assert_allclose(got[~empty], want[~empty], rtol=tol, atol=tol, err_msg=what)
 
 
 def ulp(x, dtype) -> np.ndarray:
