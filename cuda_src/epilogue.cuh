@@ -59,13 +59,14 @@ CUPA_DEVICE void store_rows(float* m_at, float* l_at, const float* o_at, int num
 // from a possibly stale L1 line. One warp per row: lanes take splits for the max and the sum (a
 // fixed xor tree), then channels, summing the splits in index order with independent loads.
 // Called by every thread of the CTA, after store_rows; `last` is one int of free shared memory.
+// lse (optional, (N, H) float32): the merged rows' log-sum-exp (state_lse), written by lane 0 of each row.
 // MAX_CH: channels per lane (head_size <= 32 * MAX_CH); PRE: splits whose o is loaded together with
 // the weights (one round trip fewer for up to PRE splits; 0: none, for kernels short of registers).
 template <typename T, int MAX_CH = 8, int PRE = 0>
 CUPA_DEVICE void merge_splits_if_last(int* counter, int* last, int s_first, int s_last, int rows, int head_size, int t,
                                       int h0, int num_heads, int g, int num_splits, const T* head_sink,
                                       const float* v_scale, int v_quant, T* out, const float* part_o,
-                                      const float2* part_ml) {
+                                      const float2* part_ml, float* lse = nullptr) {
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) *last = atomicAdd(counter, 1) == s_last - s_first;
@@ -128,6 +129,7 @@ CUPA_DEVICE void merge_splits_if_last(int* counter, int* last, int s_first, int 
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
     const float sink = head_sink ? Act<T>::to_float(head_sink[h]) : 0.0f;
+    if (lse != nullptr && lane == 0) lse[(long long)t * num_heads + h] = state_lse(M, L);
 #pragma unroll
     for (int k = 0; k < MAX_CH; ++k) {
       const int d = lane + 32 * k;

@@ -40,3 +40,7 @@ CUPA_DEVICE float finalize(float M, float L, float O, bool has_sink, float sink,
   }
   return O / L * v_scale;
 }
+
+// Natural-log log-sum-exp of a merged state (M natural units, L = sum exp(s - M)); -inf without an
+// admitted key (the return_lse output; a sink is never part of it).
+CUPA_DEVICE float state_lse(float M, float L) { return L > 0.0f ? M + logf(L) : CUPA_NEG_INF; }

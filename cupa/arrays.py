@@ -746,19 +746,25 @@ def wrap_host(arr: np.ndarray, like, given=None):
 
 # -- buffers that must not overlap ----------------------------------------------------------------------
 
-def check_disjoint(input_nbytes: dict, pointer_of, out_ptr: int = 0, out_nbytes: int = 0, layout_separate=True):
+def check_disjoint(input_nbytes: dict, pointer_of, out_ptr: int = 0, out_nbytes: int = 0, layout_separate=True,
+                   interleaved_block_bytes: int = 0):
     """Raise PagedAttentionError when value_cache overlaps key_cache (SEPARATE layout: V would overwrite K),
     or when ``out`` (``out_ptr``/``out_nbytes``, 0 when not given) overlaps any input.
 
     ``input_nbytes``: :attr:`cupa.contract.Problem.input_nbytes`; ``pointer_of(name)``: the start address of
-    an input (a device pointer, or a host address for NumPy views).
+    an input (a device pointer, or a host address for NumPy views). ``interleaved_block_bytes`` (the bytes
+    of one cache block, under ``Options(kv_pages_interleaved=True)``): caches whose starts differ by a
+    non-zero whole number of blocks are accepted.
     """
     if layout_separate:
         n = input_nbytes["key_cache"]
         k, v = pointer_of("key_cache"), pointer_of("value_cache")
-        if n and k < v + n and v < k + n:
-            raise fail("value_cache", "memory overlapping key_cache" + (" (the same buffer)" if k == v else ""),
-                       "a cache of its own: K and V rows are written to separate caches")
+        if n and k < v + n and v < k + n and not (interleaved_block_bytes and k != v
+                                                  and (v - k) % interleaved_block_bytes == 0):
+            raise fail("value_cache", "memory overlapping key_cache" + (" (the same buffer)" if k == v else "")
+                       + (" by a fraction of a block" if interleaved_block_bytes and k != v else ""),
+                       "a cache of its own: K and V rows are written to separate caches (pages interleaved a whole "
+                       "number of blocks apart: cupa.Options(kv_pages_interleaved=True))")
     if out_nbytes:
         for name, n in input_nbytes.items():
             p = pointer_of(name)

@@ -249,6 +249,11 @@ class Problem:
     def quantized(self) -> bool:
         return self.cache_kind != "T"
 
+    @property
+    def cache_block_bytes(self) -> int:
+        """Bytes of one block of a cache."""
+        return self.block_size * self.kv_num_heads * self.head_size * _ITEMSIZE.get(self.cache_array_dtype, 1)
+
     @functools.cached_property
     def input_nbytes(self) -> dict:
         """Bytes of every present tensor input (what a memory-overlap check needs), by input name."""

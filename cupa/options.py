@@ -57,18 +57,27 @@ class _Tuning:
         SMs of the prologue launched beside the prefill kernel (512-thread CTAs, one per SM).
     prefill_ws_ctas : int or None, default None
         Persistent CTAs of the warp-specialized wgmma prefill (None: one per SM).
+    mla_wgmma : bool, default True
+        Compute capability 9.0, 16-bit latent caches: the wgmma MLA kernel where a tile has 64 rows;
+        False: the portable mma.sync kernel there too (A/B runs).
+    mla_waves : int, default 1
+        Waves of resident CTAs (every SM full) the MLA split plan aims for.
     """
 
     decode_ctas_per_sm: int = 2
     decode_keys_as_m: bool = True
     prologue_beside_sms: int = 32
     prefill_ws_ctas: Optional[int] = None
+    mla_wgmma: bool = True
+    mla_waves: int = 1
 
     def __post_init__(self):
         _positive_int("_tuning.decode_ctas_per_sm", self.decode_ctas_per_sm)
         _flag("_tuning.decode_keys_as_m", self.decode_keys_as_m)
         _positive_int("_tuning.prologue_beside_sms", self.prologue_beside_sms)
         _positive_int("_tuning.prefill_ws_ctas", self.prefill_ws_ctas, allow_none=True)
+        _flag("_tuning.mla_wgmma", self.mla_wgmma)
+        _positive_int("_tuning.mla_waves", self.mla_waves)
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,12 @@ class Options:
         layout allows; False: cp.async gathers only.
     output_qk_max_bytes : int, default 2**34
         An output_qk larger than this is refused with PagedAttentionError before anything is allocated.
+    kv_pages_interleaved : bool, default False
+        key_cache and value_cache may be views of one buffer whose K and V pages interleave, the value
+        view starting a whole number of blocks after the key view (transformers' paged cache: one buffer,
+        V pages shifted by one page, every block id even). Their address ranges then overlap by design,
+        and the caller guarantees that no block id's K page is another block id's V page. Off: caches
+        whose memory overlaps are an error (V would overwrite K).
     validate_data : bool, default False
         Also check the index inputs' values (cumulative_sequence_length, past_seqlens, block_table,
         slot_mapping, query_positions) and raise PagedAttentionError naming the input and the index of
@@ -112,6 +127,7 @@ class Options:
     new_kv_from_inputs: bool = True
     tma: bool = True
     output_qk_max_bytes: int = 1 << 34
+    kv_pages_interleaved: bool = False
     validate_data: bool = False
     _tuning: _Tuning = field(default_factory=_Tuning)
 
@@ -120,7 +136,7 @@ class Options:
             raise fail("options.backend", repr(self.backend), "'auto' or one of " + ", ".join(map(repr, BACKEND_NAMES)))
         if self.launch not in LAUNCH_ROUTES:
             raise fail("options.launch", repr(self.launch), "one of " + ", ".join(map(repr, LAUNCH_ROUTES)))
-        for name in ("programmatic_launch", "new_kv_from_inputs", "tma", "validate_data"):
+        for name in ("programmatic_launch", "new_kv_from_inputs", "tma", "kv_pages_interleaved", "validate_data"):
             _flag(f"options.{name}", getattr(self, name))
         _positive_int("options.output_qk_max_bytes", self.output_qk_max_bytes)
         if not isinstance(self._tuning, _Tuning):

@@ -57,7 +57,7 @@ class ReferenceBackend:
         views = {name: (x if name == "attention_metadata" else arrays.host_view(x, name, cache=name in _CACHES))
                  for name, x in inputs.items()}
         out_view = arrays.host_out(out, like, pb.output_shape, _T[pb.dtype])
-        _check_disjoint(pb, views, out_view)
+        _check_disjoint(pb, views, out_view, plan.options)
         result = _run(pb, views, out_view)
         if isinstance(result, tuple):
             return (arrays.wrap_host(result[0], like, out), *(arrays.wrap_host(r, like) for r in result[1:]))
@@ -67,12 +67,14 @@ class ReferenceBackend:
 _CACHES = ("key_cache", "value_cache")
 
 
-def _check_disjoint(pb: Problem, views: dict, out) -> None:
-    """value_cache apart from key_cache (SEPARATE), out= apart from every input (host memory)."""
-    if not pb.latent and views["value_cache"] is not None and np.may_share_memory(views["key_cache"],
-                                                                                  views["value_cache"]):
-        raise fail("value_cache", "memory overlapping key_cache", "a cache of its own: K and V rows are written to "
-                   "separate caches")
+def _check_disjoint(pb: Problem, views: dict, out, options) -> None:
+    """value_cache apart from key_cache (SEPARATE; or interleaved a whole number of blocks apart under
+    ``Options(kv_pages_interleaved=True)``), out= apart from every input (host memory)."""
+    kc, vc = views["key_cache"], views["value_cache"]
+    if not pb.latent and isinstance(kc, np.ndarray) and isinstance(vc, np.ndarray) and np.may_share_memory(kc, vc):
+        address = {"key_cache": kc.__array_interface__["data"][0], "value_cache": vc.__array_interface__["data"][0]}
+        arrays.check_disjoint({"key_cache": pb.input_nbytes["key_cache"]}, address.__getitem__,
+                              interleaved_block_bytes=pb.cache_block_bytes if options.kv_pages_interleaved else 0)
     if out is not None:
         for name, x in views.items():
             if name != "attention_metadata" and isinstance(x, np.ndarray) and np.may_share_memory(out, x):

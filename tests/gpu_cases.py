@@ -28,30 +28,9 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
           spare_blocks=3):
     """NumPy inputs + attributes of a random paged problem (decode-shaped by default)."""
     T = NP_DTYPES[dtype]
-    q_lens = list(q_lens) if q_lens is not None else [1] * B
+    q_lens, past, kv_lens, N, cum, bt, num_blocks = random_sequences(rng, B, q_lens, past, block_size, max_blocks,
+                                                                     block_table, spare_blocks)
     B = len(q_lens)
-    past = list(past) if past is not None else [int(x) for x in rng.integers(1, 200, size=B)]
-    kv_lens = [p + q for p, q in zip(past, q_lens)]
-    need = [math.ceil(kv / block_size) for kv in kv_lens]
-    max_blocks = max_blocks or max(max(need), 1) + 2
-    num_blocks = sum(need) + spare_blocks
-    N = sum(q_lens)
-    cum = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-
-    perm = rng.permutation(num_blocks).astype(np.int32)
-    bt = np.full((B, max_blocks), -1, dtype=np.int32)
-    used = 0
-    for b in range(B):
-        bt[b, :need[b]] = perm[used:used + need[b]]
-        used += need[b]
-    if block_table == "shared" and B > 1 and need[0] > 1 and need[1] > 1:
-        # sequence 1 shares sequence 0's first block (a shared prefix)
-        bt[1, 0] = bt[0, 0]
-    if block_table == "unmapped":
-        for b in range(B):
-            if need[b] > 2:
-                bt[b, 0] = -1  # evicted: masked on read
-        bt[0, min(1, max_blocks - 1)] = num_blocks + 7 if need[0] > 1 else bt[0, 0]  # out of range: masked
 
     def act(*shape, scale=1.0):
         return (rng.standard_normal(shape) * scale).astype(T)
@@ -102,6 +81,84 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
     return inputs, attrs
 
 
+def random_sequences(rng, B, q_lens, past, block_size, max_blocks, block_table, spare_blocks):
+    """Lengths, cumulative_sequence_length and a block table drawn from a shuffled pool (``block_table``:
+    "shuffled", "shared" (sequence 1 shares sequence 0's first block) or "unmapped" (evicted and out-of-range
+    entries)). Returns (q_lens, past, kv_lens, N, cum, block_table, num_blocks)."""
+    q_lens = list(q_lens) if q_lens is not None else [1] * B
+    B = len(q_lens)
+    past = list(past) if past is not None else [int(x) for x in rng.integers(1, 200, size=B)]
+    kv_lens = [p + q for p, q in zip(past, q_lens)]
+    need = [math.ceil(kv / block_size) for kv in kv_lens]
+    max_blocks = max_blocks or max(max(need), 1) + 2
+    num_blocks = sum(need) + spare_blocks
+    N = sum(q_lens)
+    cum = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    bt = np.full((B, max_blocks), -1, dtype=np.int32)
+    used = 0
+    for b in range(B):
+        bt[b, :need[b]] = perm[used:used + need[b]]
+        used += need[b]
+    if block_table == "shared" and B > 1 and need[0] > 1 and need[1] > 1:
+        # sequence 1 shares sequence 0's first block (a shared prefix)
+        bt[1, 0] = bt[0, 0]
+    if block_table == "unmapped":
+        for b in range(B):
+            if need[b] > 2:
+                bt[b, 0] = -1  # evicted: masked on read
+        bt[0, min(1, max_blocks - 1)] = num_blocks + 7 if need[0] > 1 else bt[0, 0]  # out of range: masked
+    return q_lens, past, kv_lens, N, cum, bt, num_blocks
+
+
+#: Absorbed MLA (LATENT): kv_lora_rank + qk_rope_head_dim latent channels, V = the first kv_lora_rank.
+MLA_D, MLA_DV, MLA_ROPE = 576, 512, 64
+#: DeepSeek's softmax scale before YaRN: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) = 1/sqrt(192) (seed 12.6).
+MLA_SCALE = 1.0 / math.sqrt(192.0)
+
+
+def build_latent(rng, *, B=4, H=16, block_size=64, dtype="float16", q_lens=None, past=None, max_blocks=None,
+                 cache="T", k_quant="PER_CHANNEL", rotary=False, interleaved=False, softcap=0.0, window=-1,
+                 is_causal=1, slot_mapping=None, query_positions=False, block_table="shuffled", spare_blocks=3,
+                 scale=MLA_SCALE, return_lse=False):
+    """NumPy inputs + attributes of a random absorbed-MLA problem (kv_cache_layout LATENT, decode-shaped by
+    default): query (N, H*576), key (N, 576) the new latent rows, key_cache (num_blocks, block_size, 1, 576)
+    of T or fp8 codes (uint8 bytes, k_scale PER_TENSOR or PER_CHANNEL), v_head_size 512, an explicit scale,
+    and with ``rotary`` RoPE on channels 512..575 (rotary_offset 512)."""
+    T = NP_DTYPES[dtype]
+    q_lens, past, kv_lens, N, cum, bt, num_blocks = random_sequences(rng, B, q_lens, past, block_size, max_blocks,
+                                                                     block_table, spare_blocks)
+    D = MLA_D
+    attrs = dict(num_heads=H, kv_num_heads=1, kv_cache_layout="LATENT", v_head_size=MLA_DV, scale=scale,
+                 softcap=softcap, local_window_size=window, is_causal=is_causal, return_lse=return_lse)
+    if OPTIONS is not None:
+        attrs["options"] = OPTIONS
+    inputs = {"query": rng.standard_normal((N, H * D)).astype(T), "key": rng.standard_normal((N, D)).astype(T)}
+    cshape = (num_blocks, block_size, 1, D)
+    if cache == "T":
+        inputs["key_cache"] = rng.standard_normal(cshape).astype(T)
+    else:
+        sshape = (1,) if k_quant == "PER_TENSOR" else (1, 1, D)
+        k_scale = (rng.uniform(0.5, 1.5, size=sshape) * 3.0 / 448.0).astype(np.float32)
+        inputs["k_scale"] = k_scale
+        inputs["key_cache"] = cupa.quantize(rng.standard_normal(cshape).astype(np.float32), k_scale, "float8e4m3fn",
+                                            as_bytes=True)
+        attrs.update(k_quant_type=k_quant, k_cache_dtype="float8e4m3fn")
+    inputs["cumulative_sequence_length"] = cum
+    inputs["past_seqlens"] = np.asarray(past, dtype=np.int32)
+    inputs["block_table"] = bt
+    if rotary:
+        cos, sin = cupa.rope_cache(max(kv_lens) + 8, MLA_ROPE, dtype=T)
+        inputs["cos_cache"], inputs["sin_cache"] = cos, sin
+        attrs.update(do_rotary=1, rotary_interleaved=int(interleaved), rotary_offset=MLA_DV)
+    if slot_mapping is not None:
+        inputs["slot_mapping"] = np.asarray(slot_mapping, dtype=np.int32)
+    if query_positions:
+        inputs["query_positions"] = np.concatenate([np.arange(p, p + q) for p, q in zip(past, q_lens)]).astype(np.int32)
+    return inputs, attrs
+
+
 def poison_unused_cache_rows(inputs, block_size, window=-1):
     """NaN in every cache row no sequence reads (positions past each sequence's keys, unmapped and spare
     blocks; fp8 codes 0x7F, int8 codes 127): rows a kernel loads but masks must not reach the output
@@ -117,6 +174,8 @@ def poison_unused_cache_rows(inputs, block_size, window=-1):
             if 0 <= blk < num_blocks:
                 unused[blk * block_size + pos % block_size] = False
     for name in ("key_cache", "value_cache"):
+        if inputs.get(name) is None:  # (LATENT: one cache)
+            continue
         rows = inputs[name].reshape(num_blocks * block_size, -1)
         if rows.dtype == np.uint8:    # fp8 e4m3 codes as bytes: 0x7F is NaN
             rows[unused] = 0x7F

@@ -28,3 +28,11 @@ def test_notebook_executes(path, monkeypatch):
 
 def test_quickstart_exists():
     assert (REPO / "notebooks" / "01_quickstart.ipynb") in NOTEBOOKS
+
+
+def test_mla_notebook_exists_and_is_stored_without_outputs():
+    path = REPO / "notebooks" / "04_mla.ipynb"
+    assert path in NOTEBOOKS
+    nb = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
+    assert any("import cupy as xp" in c.source for c in nb.cells)  # the one line that switches to the GPU

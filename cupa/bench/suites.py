@@ -24,6 +24,7 @@ import numpy as np
 
 import cupa
 
+from ..options import _Tuning
 from . import sweeps
 from .cases import Built, Case, build
 from .peers import Unsupported, host_float32
@@ -299,7 +300,8 @@ def all_suites() -> dict:
         AttentionSuite("chunked", "chunked prefill after a cached past", mma_sync),
         AttentionSuite("mixed", "decode sequences and prefill chunks in one call", mma_sync),
         AttentionSuite("mla", "absorbed MLA (LATENT layout, 576/512)",
-                       (("mla backend", cupa.Options(backend="mla")),)),
+                       (("mla backend", cupa.Options(backend="mla")),
+                        ("mla mma.sync", cupa.Options(backend="mla", _tuning=_Tuning(mla_wgmma=False))))),
         AttentionSuite("subbyte", "int4 / float4 e2m1 caches"),
         CascadeSuite(), GraphsSuite(), HostSuite(), ServingSuite(),
     ]

@@ -130,9 +130,13 @@ def mixed_cases(size: str) -> list:
 def mla_cases(size: str) -> list:
     if size == "smoke":
         return [C.mla(2, 16, num_heads=2, block_size=4), C.mla(2, 16, num_heads=2, q_len=2, block_size=4)]
+    # The MLA issue's targets (H200): H=128 B=64 L=4096 <= 105 us (compute-bound), B=8 L=8192 <= 35 us,
+    # H=16 B=64 L=4096 <= 75 us (memory-bound), its fp8 latent <= 42 us, chunked prefill >= 450 TFLOP/s.
+    targets = [C.mla(64, 4096), C.mla(8, 8192), C.mla(64, 4096, num_heads=16),
+               C.mla(64, 4096, num_heads=16, cache="fp8", quant="PER_TENSOR"), C.mla(4, 4608, q_len=512)]
     if size == "quick":
-        return [C.mla(64, 4096)]
-    out = [C.mla(B, 4096, tags={"sweep": "batch", "x": B, "series": "H=128"}) for B in (1, 8, 32, 64, 128)]
+        return targets
+    out = targets + [C.mla(B, 4096, tags={"sweep": "batch", "x": B, "series": "H=128"}) for B in (1, 8, 32, 64, 128)]
     out += [C.mla(64, L, tags={"sweep": "context", "x": L, "series": "H=128"}) for L in (1024, 16384)]
     out += [C.mla(64, 4096, num_heads=16), C.mla(64, 4096, block_size=1), C.mla(64, 4096, dtype="bfloat16"),
             C.mla(64, 4096, q_len=2)]

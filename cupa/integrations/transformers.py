@@ -17,7 +17,7 @@ model (the operator runs with ``do_rotary=0`` and no norm weights), and the modu
 ``sliding_window``, ``softcap`` and attention sinks (``s_aux``, GPT-OSS) become the operator's
 ``scale``, ``local_window_size``, ``softcap`` and ``head_sink``; GQA comes from the shapes.
 
-The attention function serves three kinds of call, told apart by what transformers passes:
+The attention function serves four kinds of call, told apart by what transformers passes:
 
 ``model.generate(..., cache=CupaCache(...))``
     The cache holds every layer's ``key_cache``/``value_cache`` pages and one block table;
@@ -28,22 +28,26 @@ The attention function serves three kinds of call, told apart by what transforme
     real tokens only. The mask function derives those sequences from the 2D attention mask on the
     device (no host synchronization); padding must be on the left, as ``generate`` pads decoder-only
     models (checked where the mask is on the CPU).
-continuous batching (``model.generate_batch``: ``cu_seq_lens_q``/``cu_seq_lens_k`` in the kwargs)
-    transformers' paged cache has written the new keys and values and gathered each sequence's
-    history contiguously; cupa attends to that gathered tensor in place, as a cache of one-token
-    blocks (no second gather). Prefill, chunked prefill and decode batches all take this path.
+continuous batching, decode fast path (``block_table`` and ``k_cache``/``v_cache`` in the kwargs)
+    transformers' paged cache already has cupa's page layout ``(num_pages, page_size, Hk, D)``:
+    cupa writes the new token into it through transformers' block table and attends. Its K and V
+    page views are one buffer, V a page after K (block ids even): the call runs with
+    ``cupa.Options(kv_pages_interleaved=True)``, which accepts caches laid out that way.
+continuous batching, varlen path (``cu_seq_lens_q``/``cu_seq_lens_k``, keys already gathered)
+    The cache has written the new keys and gathered each sequence's history contiguously; cupa
+    attends to that gathered tensor in place, as a cache of one-token blocks (no second gather).
 no cache, or a transformers ``DynamicCache`` (dense keys ``(B, Hk, S, D)``)
     The dense keys are copied into a one-token-block cache for the call (a copy of the history per
     step with a ``DynamicCache``: pass a :class:`CupaCache` to avoid it).
 
 Continuous batching: transformers 5.24 admits only ``paged|eager``, ``sdpa`` and flash names in
-``ContinuousBatchingManager.switch_to_cb_friendly_attn``. :func:`register` wraps that method so
-that it returns without switching the implementation for the registered cupa names, and only on the
+``ContinuousBatchingManager.switch_to_cb_friendly_attn``, and offers its decode fast path (block
+tables) to FlashAttention on CUDA only (``initialization.ensure_decode_fast_path_is_available``).
+:func:`register` wraps these two functions, for the registered cupa names only and only on the
 transformers releases listed in :data:`CONTINUOUS_BATCHING_RELEASES` (elsewhere it leaves
-transformers untouched and ``generate_batch`` refuses the name as before); every other name goes to
-the original. transformers' decode fast path (FlashAttention on CUDA writing through a block table)
-stays off for cupa: its K and V page views share one buffer, V pages interleaved with K pages, and
-cupa refuses overlapping caches.
+transformers untouched and ``generate_batch`` refuses the name as before): the first returns without
+switching the implementation, the second keeps the fast path on for every device. Every other name
+goes to the original functions.
 
 docs/integrations.md has the snippets and the limits.
 """
@@ -55,7 +59,7 @@ import dataclasses
 import functools
 import logging
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -465,12 +469,18 @@ def _gathered_block_table(starts: torch.Tensor, lengths: torch.Tensor, width: in
 
 
 def _call(name: str, module, path: str, query, key, value, key_cache, value_cache, cum, past, block_table,
-          slot_mapping, head_sink, metadata, *, scaling, sliding_window, softcap, is_causal):
-    """One ``cupa::paged_attention`` call with the module's features as attributes (recorded under :func:`trace`)."""
+          slot_mapping, head_sink, metadata, *, scaling, sliding_window, softcap, is_causal,
+          interleaved_pages: bool = False):
+    """One ``cupa::paged_attention`` call with the module's features as attributes (recorded under :func:`trace`).
+
+    ``interleaved_pages``: the caches are transformers' paged cache, K and V pages of one buffer a page
+    apart (``Options(kv_pages_interleaved=True)``)."""
     attrs = dict(num_heads=query.shape[1] // key_cache.shape[-1], kv_num_heads=key_cache.shape[2],
                  scale=0.0 if scaling is None else float(scaling), softcap=float(softcap or 0.0),
                  local_window_size=int(sliding_window) if sliding_window else -1, is_causal=int(is_causal))
     options = _NAMES[name]
+    if interleaved_pages:
+        options = dataclasses.replace(options, kv_pages_interleaved=True)
     inputs = dict(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                   cumulative_sequence_length=cum, past_seqlens=past, block_table=block_table,
                   slot_mapping=slot_mapping, head_sink=head_sink, attention_metadata=metadata)
@@ -523,7 +533,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                     [q_length, 0 if torch.compiler.is_compiling() else layer.seen], **feature)
         return out.view(batch, q_length, num_heads, -1), None
 
-    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:   # generate_batch
+    if kwargs.get("block_table") is not None and kwargs.get("k_cache") is not None:   # continuous batching, decode
+        cu_q, cu_k = kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
+        past = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
+        out = _call(name, module, "continuous batching: decode", query[0].transpose(0, 1).reshape(q_length, -1),
+                    key[0].transpose(0, 1).reshape(q_length, -1), value[0].transpose(0, 1).reshape(q_length, -1),
+                    kwargs["k_cache"], kwargs["v_cache"], cu_q, past, kwargs["block_table"].to(torch.int32), None,
+                    head_sink, None, interleaved_pages=True, **feature)
+        return out.view(1, q_length, num_heads, -1), None
+
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:   # varlen
         cu_q, cu_k = kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
         max_k = int(kwargs["max_length_k"])
         lengths_k = cu_k[1:] - cu_k[:-1]
@@ -575,7 +594,7 @@ _admitted = False
 
 
 def _admit_to_continuous_batching() -> bool:
-    """Wrap transformers' continuous-batching allow-list so that names in ``_CB_NAMES`` pass (tested releases only).
+    """Wrap transformers' continuous-batching gates so that names in ``_CB_NAMES`` pass (tested releases only).
 
     Returns False, with a warning, where the installed transformers is not a tested release.
     """
@@ -587,7 +606,7 @@ def _admit_to_continuous_batching() -> bool:
                     "generate_batch will refuse cupa's attention name",
                     ", ".join(f"{a}.{b}" for a, b in CONTINUOUS_BATCHING_RELEASES), transformers.__version__)
         return False
-    from transformers.generation.continuous_batching import continuous_api
+    from transformers.generation.continuous_batching import continuous_api, initialization
 
     switch = continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn
 
@@ -597,6 +616,20 @@ def _admit_to_continuous_batching() -> bool:
             return      # cupa serves both paths itself: no switch, no FlashAttention lookup
         return switch(self, model, auto_switch_to_flash)
 
+    ensure = initialization.ensure_decode_fast_path_is_available
+
+    @functools.wraps(ensure)
+    def ensure_decode_fast_path_is_available(config, cb_config, user_requested: bool) -> None:
+        if config._attn_implementation not in _CB_NAMES:
+            return ensure(config, cb_config, user_requested)
+        # cupa reads and writes transformers' pages through its block table on every device; only
+        # attention types whose allocator has no block table (sliding windows) turn the path off.
+        supported = all(initialization.ATTN_TYPE_TO_ALLOCATOR[t].supports_block_table
+                        for t in initialization.group_layers_by_attn_type(config))
+        if not supported:
+            cb_config.max_blocks_per_request = 0
+
     continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
+    initialization.ensure_decode_fast_path_is_available = ensure_decode_fast_path_is_available
     _admitted = True
     return True

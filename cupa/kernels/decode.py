@@ -115,7 +115,7 @@ class DecodeBackend(CudaBackend):
 
     def run(self, plan, inputs: dict, out=None, stream=None):
         p = plan.problem
-        call = launch.prepare(p, inputs, out, stream)
+        call = launch.prepare(p, inputs, out, stream, plan.options)
         if p.token_count == 0:
             return call.finish()
         r = plan.state.get("recipe")

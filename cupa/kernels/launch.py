@@ -116,6 +116,8 @@ class Call:
         Device pointers of ``output_qk`` (H, N, kv_capacity) float32 and ``lse`` (N, H) float32 when the
         call asks for them (``qk_output != 0``, ``return_lse``), else 0. Their content is the kernels' to write.
 
+    ``options`` (the plan's :class:`cupa.Options`) says whether interleaved K/V pages are allowed.
+
     Two fast cases skip :func:`arrays.device_arrays` (see :func:`arrays.fast_pointers`): every present
     input a C-contiguous ``cupy.ndarray`` on one device, and every present input a contiguous CUDA
     ``torch.Tensor`` on one device with ``stream=None`` (the call runs on PyTorch's current stream;
@@ -123,7 +125,7 @@ class Call:
     ``output``).
     """
 
-    def __init__(self, problem: Problem, inputs: dict, out, stream):
+    def __init__(self, problem: Problem, inputs: dict, out, stream, options=None):
         cupy = _cupy or _cp()
         self.cupy = cupy
         self.problem = problem
@@ -155,7 +157,9 @@ class Call:
         if not problem.latent:
             n, k, v = nbytes["key_cache"], ptrs[3], ptrs[4]
             if n and k < v + n and v < k + n:
-                arrays.check_disjoint(nbytes, lambda name: ptrs[PTR_INDEX[name]])
+                arrays.check_disjoint(nbytes, lambda name: ptrs[PTR_INDEX[name]],
+                                      interleaved_block_bytes=problem.cache_block_bytes
+                                      if options is not None and options.kv_pages_interleaved else 0)
         self._device = None
         set_device = self._set_device = cuda.runtime.getDevice() != device_id
         # Another device: its own current stream; enter both. Same device: enter the stream if not current.

@@ -150,7 +150,7 @@ class PrefillBackend(CudaBackend):
 
     def run(self, plan, inputs: dict, out=None, stream=None):
         p = plan.problem
-        call = launch.prepare(p, inputs, out, stream)
+        call = launch.prepare(p, inputs, out, stream, plan.options)
         if p.token_count == 0:
             return call.finish()
         if call.output_ptr % 16:

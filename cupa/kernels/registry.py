@@ -67,3 +67,15 @@ def all_specializations() -> list:
         specs.extend(backend.specializations())
     specs.extend(states.specializations())
     return list(dict.fromkeys(specs))
+
+
+def mla_mma_spec(dtype: str, cache_kind: str, rows: int, keys: int) -> Specialization:
+    """The portable absorbed-MLA kernel (mma.sync): ``rows`` (16, 64) per tile, ``keys`` (32, 64) per key tile."""
+    return Specialization(
+        "mla_mma", f"paged_mla_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {rows}, {keys}>")
+
+
+def mla_wgmma_spec(dtype: str) -> Specialization:
+    """The Hopper absorbed-MLA kernel (wgmma, T caches), pinned to sm_90a."""
+    return Specialization("mla_wgmma", f"paged_mla_wgmma<{types.act(dtype)}, {types.cache('T', dtype)}>",
+                          arch="sm_90a")
