@@ -87,6 +87,19 @@ template <typename T> CUPA_DEVICE void store8(T* p, const float (&in)[8]) {
   v.store(p);
 }
 
+// Two 16-bit T values (one register, as mma fragments hold them) with each Inf or NaN replaced by
+// +0: adding the exponent field's lowest bit carries into the sign bit exactly when the field is
+// all ones, and that bit becomes a 16-bit mask.
+template <typename T> struct Bits16;
+template <> struct Bits16<__half> { static constexpr unsigned exponent = 0x7c007c00u, exponent_lsb = 0x04000400u; };
+template <> struct Bits16<__nv_bfloat16> {
+  static constexpr unsigned exponent = 0x7f807f80u, exponent_lsb = 0x00800080u;
+};
+template <typename T> CUPA_DEVICE unsigned finite_or_zero2(unsigned x) {
+  const unsigned top = ((x & Bits16<T>::exponent) + Bits16<T>::exponent_lsb) & 0x80008000u;
+  return x & ~(top | (top - (top >> 15)));
+}
+
 CUPA_DEVICE float warp_sum(float x, int width = 32) {
   for (int off = width / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off, width);
   return x;

@@ -1,13 +1,16 @@
 // Paged flash-decoding on tensor cores (fp16/bf16 T; T, int8 or fp8 caches; head_size 64/128).
 // One CTA owns (query token t, KV head g, a chunk of up to 16 query heads of g's group, split s):
-// the chunk's heads are the 16 rows of an mma.sync m16n8k16 tile, so each KV byte is read once
-// per KV head. Keys of the split's admitted range stream through shared memory in tiles of 64
-// (cp.async, NST stages, rows gathered through the block table one by one, so any block_size
-// works; masked rows are zero-filled). Each of the 4 warps takes 16 keys of a tile and keeps its
-// own online-softmax state; the warps are merged in a fixed order, then finalized (the token's
-// only split with admitted keys) or written as a partial state that the last split CTA to finish
-// merges (epilogue.cuh). Host values that size the launch: token_count, head counts, num_splits
-// and chunk (see decode.cu); none enters a mask.
+// the chunk's heads are the 16 rows of an mma.sync m16n8k16 tile (8 heads, the N of the tile, in
+// the KEYS_AS_M loop), so each KV byte is read once per KV head and chunk. Keys of the split's
+// admitted range stream through shared memory in tiles of 64 (cp.async, STAGES stages, rows
+// gathered through the block table one by one, so any block_size works; masked rows are
+// zero-filled). Each of the 4 warps takes 16 keys of a tile and keeps its own online-softmax
+// state; the warps are merged in a fixed order, then finalized (the token's only split with
+// admitted keys) or written as a partial state that the last split CTA to finish merges
+// (epilogue.cuh). Reads: Q (the prologue's workspace or `query`), the caches through the block
+// table, cum / past_seqlens / query_positions, head_sink, the scales. Writes: `out`, or the split
+// partials and arrival counters. Host values that size the launch: token_count, head counts,
+// num_splits and chunk (see decode.cu); none enters a mask.
 //
 // 16-bit caches: K and V fragments come from XOR-swizzled tiles through ldmatrix (.trans for V).
 // 8-bit caches (int8, e4m3): codes stay codes in shared memory and are widened straight into
@@ -34,36 +37,21 @@ constexpr int MMA_ROWS = 16;
 constexpr int KEY_TILE = 64;
 constexpr unsigned NO_ROW = 0xffffffffu;  // a masked key's row index
 
-// Pipeline depth and CTAs per SM (mirrored in cupa/kernels/decode.py): 16-bit tiles (32 KB a
-// stage at D=128) fit 3 stages at 2 CTAs per SM; 8-bit tiles (16 KB) fit 3 stages at 4 CTAs per
-// SM (registers capped at 128), or 4 stages at 3 CTAs (CUPA_MMA8_CTAS=3, a tuning knob).
-#ifndef CUPA_MMA8_CTAS
-#define CUPA_MMA8_CTAS 4
-#endif
-template <typename Cache> struct MmaStages {
-  static constexpr int value = Cache::quantized && CUPA_MMA8_CTAS < 4 ? 4 : 3;
-};
-template <typename Cache> struct MmaMinCtas { static constexpr int value = Cache::quantized ? CUPA_MMA8_CTAS : 1; };
+// Pipeline depth STAGES, a template parameter: 3, or 2 where 3 do not fit a CTA or keep fewer than
+// 2 CTAs per SM (decode.py mma_stages, which mirrors MmaDecodeSmem). 16-bit tiles at D=128 are 32 KB
+// a stage: 3 stages (103 KB) run 2 CTAs per sm_90/100 SM; 2 stages (70 KB) fit the 99 KB of an
+// sm_86/89/120 CTA and run 2 CTAs per sm_80 SM. 8-bit tiles are 16 KB a stage; their registers are
+// capped at 128 for 4 CTAs per SM.
+template <typename Cache> struct MmaMinCtas { static constexpr int value = Cache::quantized ? 4 : 1; };
 
-// Experimental (-DCUPA_MMA8_T=1, decode.py: CUPA_DECODE_MMA8_T=1): 8-bit caches with keys as the
-// MMA's M dimension. S^T = K Q^T (A: the warp's 16 keys widened from codes, B: Q^T, N: 8 query heads
-// per n-tile, CUPA_MMA8_NT n-tiles per CTA) and O^T += V^T P^T (A: 16 channels x 16 keys widened from
-// codes, B: P^T, moved from the S^T accumulators by movmatrix.trans). With a GQA group of 8 or fewer
-// heads, half the MMAs and accumulators of the head-major loop (whose M is 16 query heads).
-#ifndef CUPA_MMA8_T
-#define CUPA_MMA8_T 0
-#endif
-#ifndef CUPA_MMA8_NT
-#define CUPA_MMA8_NT 1
-#endif
+// KEYS_AS_M (a template parameter, 8-bit caches only): the loop with keys as the MMA's M dimension.
+// S^T = K Q^T (A: the warp's 16 keys widened from codes, B: Q^T, N: 8 query heads per CTA) and
+// O^T += V^T P^T (A: 16 channels x 16 keys widened from codes, B: P^T, moved from the S^T
+// accumulators by movmatrix.trans). With a GQA group of 8 or fewer heads, half the MMAs and
+// accumulators of the head-major loop (whose M is 16 query heads).
 // 16-bit caches: the score MMAs' k-steps go to two accumulators (even / odd k-steps), summed after,
 // so a tile's S is two dependent chains of D/32 MMAs instead of one of D/16 (the latency of a tile
-// matters where few CTAs are left). -DCUPA_SPLITK=0: one chain (A/B runs). Measured in session 9
-// (A/B in one run, one chain / two): B=8 81.9 -> 81.6 us, B=64 265.0 -> 264.3 us; on the 8-bit
-// keys-as-M loop no gain (int8 157.3 -> 157.7), so it keeps one chain.
-#ifndef CUPA_SPLITK
-#define CUPA_SPLITK 1
-#endif
+// matters where few CTAs are left); the 8-bit loops keep one chain (no gain measured there).
 
 // The 8x8 b16 matrix held one row-pair per lane (mma fragment layout), transposed.
 CUPA_DEVICE unsigned movmatrix_trans(unsigned x) {
@@ -72,16 +60,19 @@ CUPA_DEVICE unsigned movmatrix_trans(unsigned x) {
   return y;
 }
 
-template <typename T, typename Cache, int D>
+// Dynamic shared memory: Q, then during the key loop NST stages of K/V tiles and the row indices of
+// NST + 1 tiles; after the loop the warps' states (m and l per warp and row, then o with rows
+// padded to D + 4 floats: fewer bank conflicts) overwrite the stages.
+template <typename T, typename Cache, int D, int NST>
 struct MmaDecodeSmem {
   using C = typename Cache::storage;
-  static constexpr int NST = MmaStages<Cache>::value;
   static constexpr int q_bytes = MMA_ROWS * D * 2;
   static constexpr int stage_bytes = 2 * KEY_TILE * D * (int)sizeof(C);        // K and V tiles as stored
   static constexpr int rows_bytes = (NST + 1) * KEY_TILE * 4;  // row indices, one tile ahead
-  static constexpr int combine_bytes = MMA_WARPS * MMA_ROWS * (D + 4) * 4;  // rows padded: fewer bank conflicts
+  static constexpr int combine_bytes = 2 * MMA_WARPS * MMA_ROWS * 4 + MMA_WARPS * MMA_ROWS * (D + 4) * 4;
   static constexpr int loop_bytes = q_bytes + NST * stage_bytes + rows_bytes;
   static constexpr int total = loop_bytes > combine_bytes + q_bytes ? loop_bytes : combine_bytes + q_bytes;
+  static_assert(NST >= 2, "a pipeline of at least two stages");
 };
 
 // Byte offset of 16-byte chunk `chunk` of key row `key` in an 8-bit K tile (rows of D bytes).
@@ -178,7 +169,7 @@ struct TileCopy {
   }
 };
 
-template <typename T, typename Cache, int D>
+template <typename T, typename Cache, int D, int STAGES, bool KEYS_AS_M>
 __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) paged_decode_mma(
     const T* __restrict__ q,  // (N, H, D): prologue output
     const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
@@ -190,9 +181,10 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
     int max_blocks, int chunk, int num_splits, int rotary_max_pos, float scale, float softcap,
     int window, int is_causal, int k_quant, int v_quant, int q_is_input) {
   using C = typename Cache::storage;
-  using L = MmaDecodeSmem<T, Cache, D>;
-  constexpr int NST = L::NST;
+  using L = MmaDecodeSmem<T, Cache, D, STAGES>;
+  constexpr int NST = STAGES;
   static_assert(D % 64 == 0 && D <= 128, "head_size 64 or 128");
+  static_assert(!KEYS_AS_M || Cache::quantized, "the keys-as-M loop reads 8-bit caches");
 
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
@@ -204,10 +196,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
 
   const int t = blockIdx.x, split = blockIdx.z;
   const int H = num_heads, Hk = kv_num_heads, G = H / Hk;
-  constexpr bool T8 = Cache::quantized && CUPA_MMA8_T;  // the keys-as-M loop (see CUPA_MMA8_T)
-  constexpr int NT = CUPA_MMA8_NT;
-  constexpr int HEADS = T8 ? 8 * NT : MMA_ROWS;           // query heads per CTA
-  static_assert(HEADS <= MMA_ROWS, "at most 16 query heads per CTA");
+  constexpr bool T8 = KEYS_AS_M;
+  constexpr int HEADS = T8 ? 8 : MMA_ROWS;  // query heads per CTA
   const int row_chunks = (G + HEADS - 1) / HEADS;
   const int g = blockIdx.y / row_chunks;
   const int h0 = g * G + (blockIdx.y % row_chunks) * HEADS;
@@ -306,18 +296,14 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   float* co = cl + MMA_WARPS * MMA_ROWS;                         // [warp][row][D]
   if constexpr (T8) {
     // Keys as M. Lane (r, c) = (lane / 4, lane % 4) holds scores of keys r and r + 8 of its warp's 16
-    // and query heads 2c, 2c + 1 of each n-tile; output channels r * D/8 + 4x + {0, 1} (m-tile 2x)
-    // and + {2, 3} (m-tile 2x + 1), rows r and r + 8 of the m-tile.
+    // and query heads 2c, 2c + 1 (the n-tile's 8 heads); output channels r * D/8 + 4x + {0, 1}
+    // (m-tile 2x) and + {2, 3} (m-tile 2x + 1), rows r and r + 8 of the m-tile.
     constexpr int MT = D / 16, WORDS = D / 32;
     const int r = lane >> 2, c = lane & 3;
-    float ot[NT][MT][4];
+    float ot[MT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) ot[nt][mt][0] = ot[nt][mt][1] = ot[nt][mt][2] = ot[nt][mt][3] = 0.0f;
-    float mh[NT][2], lh[NT][2];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) mh[nt][0] = mh[nt][1] = CUPA_NEG_INF, lh[nt][0] = lh[nt][1] = 0.0f;
+    for (int mt = 0; mt < MT; ++mt) ot[mt][0] = ot[mt][1] = ot[mt][2] = ot[mt][3] = 0.0f;
+    float mh[2] = {CUPA_NEG_INF, CUPA_NEG_INF}, lh[2] = {0.0f, 0.0f};
 
     for (int tile = 0; tile < ntiles; ++tile) {
       cp_async_wait<NST - 2>();
@@ -330,9 +316,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
 
       // S^T = K Q^T: one 16-byte load per key and 64-dim group gives 4 k-steps (the permuted dims
       // of the header); A rows r and r + 8 are keys r and r + 8.
-      float sc[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const int k0 = warp * 16 + r;
 #pragma unroll
       for (int h = 0; h < D / 64; ++h) {
@@ -344,52 +328,44 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
           unsigned a[4];
           Widen4<T, Cache>::run(ws0[q4], a[0], a[2]);
           Widen4<T, Cache>::run(ws1[q4], a[1], a[3]);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            Mma<T>::run(sc[nt], a, qf[h * 4 + q4][nt == 0 ? 0 : 1], qf[h * 4 + q4][nt == 0 ? 2 : 3]);
+          Mma<T>::run(sc, a, qf[h * 4 + q4][0], qf[h * 4 + q4][2]);
         }
       }
       const unsigned* rows = sRows + (tile % (NST + 1)) * KEY_TILE + warp * 16;
       const bool dead0 = rows[r] == NO_ROW, dead1 = rows[r + 8] == NO_ROW;
-      unsigned pb[NT][2];  // P^T as B fragments (keys 2c, 2c+1 | 2c+8, 2c+9 of head r)
+      unsigned pb[2];  // P^T as B fragments (keys 2c, 2c+1 | 2c+8, 2c+9 of head r)
       bool moved = false;
-      float ch[NT][2];
+      float ch[2];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          sc[nt][e] = softcap > 0.0f ? softcap_score(sc[nt][e] * score_scale, softcap) * CUPA_LOG2E
-                                     : sc[nt][e] * score_scale2;
-          if (e < 2 ? dead0 : dead1) sc[nt][e] = CUPA_NEG_INF;
-        }
-        float p[4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          float mx = fmaxf(sc[nt][j], sc[nt][j + 2]);
-#pragma unroll
-          for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-          const float n = fmaxf(mh[nt][j], mx);
-          ch[nt][j] = mh[nt][j] == CUPA_NEG_INF ? 0.0f : ex2_approx(mh[nt][j] - n);
-          mh[nt][j] = n;
-          const float b = n == CUPA_NEG_INF ? 0.0f : n;
-          p[j] = ex2_approx(sc[nt][j] - b);
-          p[j + 2] = ex2_approx(sc[nt][j + 2] - b);
-          lh[nt][j] = lh[nt][j] * ch[nt][j] + (p[j] + p[j + 2]);
-          moved |= ch[nt][j] != 1.0f;
-        }
-        pb[nt][0] = movmatrix_trans(Mma<T>::pack(p[0], p[1]));
-        pb[nt][1] = movmatrix_trans(Mma<T>::pack(p[2], p[3]));
+      for (int e = 0; e < 4; ++e) {
+        sc[e] = softcap > 0.0f ? softcap_score(sc[e] * score_scale, softcap) * CUPA_LOG2E : sc[e] * score_scale2;
+        if (e < 2 ? dead0 : dead1) sc[e] = CUPA_NEG_INF;
       }
+      float p[4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float mx = fmaxf(sc[j], sc[j + 2]);
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        const float n = fmaxf(mh[j], mx);
+        ch[j] = mh[j] == CUPA_NEG_INF ? 0.0f : ex2_approx(mh[j] - n);
+        mh[j] = n;
+        const float b = n == CUPA_NEG_INF ? 0.0f : n;
+        p[j] = ex2_approx(sc[j] - b);
+        p[j + 2] = ex2_approx(sc[j + 2] - b);
+        lh[j] = lh[j] * ch[j] + (p[j] + p[j + 2]);
+        moved |= ch[j] != 1.0f;
+      }
+      pb[0] = movmatrix_trans(Mma<T>::pack(p[0], p[1]));
+      pb[1] = movmatrix_trans(Mma<T>::pack(p[2], p[3]));
       if (__any_sync(0xffffffffu, moved)) {  // the running max rarely moves in decode
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            ot[nt][mt][0] *= ch[nt][0];
-            ot[nt][mt][1] *= ch[nt][1];
-            ot[nt][mt][2] *= ch[nt][0];
-            ot[nt][mt][3] *= ch[nt][1];
-          }
+        for (int mt = 0; mt < MT; ++mt) {
+          ot[mt][0] *= ch[0];
+          ot[mt][1] *= ch[1];
+          ot[mt][2] *= ch[0];
+          ot[mt][3] *= ch[1];
+        }
       }
       // O^T += V^T P^T: lane (r, c) loads channels r*D/8 .. r*D/8 + D/8 - 1 of keys {2c, 2c+1, 2c+8,
       // 2c+9}; byte pairs of two keys are transposed with prmt and widened into A fragments.
@@ -402,41 +378,34 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
         Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x5140), a0[2], a0[3]);
         Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x7362), a1[0], a1[1]);
         Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x7362), a1[2], a1[3]);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          Mma<T>::run(ot[nt][2 * x], a0, pb[nt][0], pb[nt][1]);
-          Mma<T>::run(ot[nt][2 * x + 1], a1, pb[nt][0], pb[nt][1]);
-        }
+        Mma<T>::run(ot[2 * x], a0, pb[0], pb[1]);
+        Mma<T>::run(ot[2 * x + 1], a1, pb[0], pb[1]);
       }
     }
     cp_async_wait<0>();
     __syncthreads();
     // Merge the warps in order through shared memory (the stage buffers are free now).
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int j = 0; j < 2; ++j) {
+      float l = lh[j];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float l = lh[nt][j];
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-        const int head = 8 * nt + 2 * c + j;
-        if (r == 0) {
-          cm[warp * MMA_ROWS + head] = mh[nt][j] == CUPA_NEG_INF ? mh[nt][j] : mh[nt][j] * CUPA_LN2;
-          cl[warp * MMA_ROWS + head] = l;
-        }
+      for (int off = 4; off < 32; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+      const int head = 2 * c + j;
+      if (r == 0) {
+        cm[warp * MMA_ROWS + head] = mh[j] == CUPA_NEG_INF ? mh[j] : mh[j] * CUPA_LN2;
+        cl[warp * MMA_ROWS + head] = l;
       }
+    }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int d0 = r * (D / 8) + 4 * (mt >> 1) + 2 * (mt & 1), d1 = d0 + 1;  // rows r and r + 8
-        float* head0 = co + (warp * MMA_ROWS + 8 * nt + 2 * c) * (D + 4);
-        float* head1 = head0 + (D + 4);
-        head0[d0] = ot[nt][mt][0];
-        head1[d0] = ot[nt][mt][1];
-        head0[d1] = ot[nt][mt][2];
-        head1[d1] = ot[nt][mt][3];
-      }
+    for (int mt = 0; mt < MT; ++mt) {
+      const int d0 = r * (D / 8) + 4 * (mt >> 1) + 2 * (mt & 1), d1 = d0 + 1;  // rows r and r + 8
+      float* head0 = co + (warp * MMA_ROWS + 2 * c) * (D + 4);
+      float* head1 = head0 + (D + 4);
+      head0[d0] = ot[mt][0];
+      head1[d0] = ot[mt][1];
+      head0[d1] = ot[mt][2];
+      head1[d1] = ot[mt][3];
+    }
     __syncthreads();
   } else {
     float o[D / 8][4];
@@ -454,9 +423,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
 
       // S = Q K^T for this warp's 16 keys.
       float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#if CUPA_SPLITK
       float s2[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};  // (16-bit caches) odd k-steps
-#endif
       const unsigned char* st = stages + stage * L::stage_bytes;
       if constexpr (Cache::quantized) {
 #pragma unroll
@@ -481,23 +448,18 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
           unsigned b[4];
           const int mi = lane >> 3;
           ldmatrix_x4(b, sK + swz<D>(warp * 16 + (mi >> 1) * 8 + (lane & 7), kk * 16 + (mi & 1) * 8));
-#if CUPA_SPLITK
           if (kk & 1) {
             Mma<T>::run(s2[0], qf[kk], b[0], b[1]);
             Mma<T>::run(s2[1], qf[kk], b[2], b[3]);
-          } else
-#endif
-          {
+          } else {
             Mma<T>::run(s[0], qf[kk], b[0], b[1]);
             Mma<T>::run(s[1], qf[kk], b[2], b[3]);
           }
         }
-#if CUPA_SPLITK
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
-#endif
       }
       // Scores in log2 units (the scale times log2(e) folded into one multiply), so each
       // probability is one ex2; m0/m1 are converted back to natural units after the loop.

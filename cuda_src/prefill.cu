@@ -5,11 +5,15 @@
 // the WARPS warps owns 16*M_TILES rows (M_TILES mma.sync m16n8k16 tiles that share every K and V
 // fragment read from shared memory) and keeps their online-softmax state in registers; every warp
 // sees every key, so no merge across warps is needed.
-// Keys stream through shared memory in tiles of KEYS (cp.async, NST stages, rows gathered through
+// Keys stream through shared memory in tiles of KEYS (cp.async, STAGES stages, rows gathered through
 // the block table one by one, row offsets computed one tile ahead, masked rows zero-filled), over
 // the union of the rows' admitted ranges; per-row ranges (key_range of each row's own position:
 // causal, window, kv_len) and block validity are applied per element only on tiles that are not
-// wholly inside every row's range, and a warp skips tiles outside all of its rows' ranges.
+// wholly inside every row's range, and a warp skips tiles outside all of its rows' ranges. A key a
+// row does not admit never reaches its output (contract §4.4, non-finite values): masked scores are
+// selected to -inf, V values that meet P = 0 have Inf / NaN replaced by 0 (16-key steps outside the
+// warp's intersection of ranges; fp8 codes as they are widened), and rows without admitted keys
+// write zeros.
 // Quantized tiles land as codes and are widened to T in shared memory; the K scale is folded into
 // Q (PER_CHANNEL) or the score scale (PER_TENSOR), the V scale into the epilogue.
 //
@@ -21,7 +25,10 @@
 // floor(N*G/ROWS) + B covers them all; a CTA finds its sequence with a warp-wide search and exits
 // at once when its index is a gap. Tiles run heaviest-first (the last rows of a causal sequence
 // see the most keys). The zero-pass CTAs zero the rows of tokens no sequence owns.
-// Host values that size the launch: token_count, batch_size, head counts; none enters a mask.
+// Reads: Q (the prologue's workspace or `query`), the caches through the block table (or new K/V
+// from key / value: NewKeys), cum / past_seqlens / query_positions, head_sink, the scales. Writes:
+// `out`. Host values that size the launch: token_count, batch_size, head counts and the tile
+// (TILE_ROWS x TILE_KEYS); none enters a mask.
 #include "common.cuh"
 #include "mma.cuh"
 #include "paged.cuh"
@@ -29,33 +36,36 @@
 #include "softmax.cuh"
 #include "prefill_tiles.cuh"  // tile numbering, zero pass, FastDiv, cp.async / ldmatrix wrappers
 
-// Tile shape per head size (mirrored in cupa/kernels/prefill.py): WARPS warps of M_TILES x 16
-// query rows, KEYS keys per shared-memory tile, STAGES cp.async stages, MIN_CTAS CTAs per SM
-// (shared memory and registers sized for it; dynamic shared memory within the 163 KB an sm_80 CTA
-// may use). Q_IN_REGS: Q fragments stay in registers for the whole key loop; otherwise they are
-// reloaded from shared memory at each step, leaving the registers to the fp32 accumulators.
-// D=128 uses 64-key tiles with 2 stages (2 CTAs/SM within 228 KB; 100 KB also fits an sm_86/89
-// CTA): per-tile costs (barrier, copy issue, row lookups, mask test) amortize over twice the MMAs.
-template <int D> struct PrefillConfig;
-template <> struct PrefillConfig<64> {
-  static constexpr int WARPS = 4, M_TILES = 2, KEYS = 64, STAGES = 3, MIN_CTAS = 2;
-  static constexpr bool Q_IN_REGS = true;
+// Tile shapes (a CTA's ROWS query rows x KEYS keys per shared-memory tile; template parameters,
+// mirrored in cupa/kernels/prefill.py): WARPS warps of M_TILES x 16 query rows, STAGES cp.async
+// stages, MIN_CTAS CTAs per SM (registers sized for it). Q_IN_REGS: Q fragments stay in registers
+// for the whole key loop; otherwise they are reloaded from shared memory at each step, leaving the
+// registers to the fp32 accumulators (PrefillShape<WARPS, M_TILES, STAGES, MIN_CTAS, Q_IN_REGS>).
+// Dynamic shared memory (PrefillSmem; static arrays add 1.6-3.3 KB) and the GPUs each shape serves:
+//   D=64   128 x 64, 3 stages:  68,768 B (every GPU)
+//   D=128  128 x 64, 2 stages: 100,760 B (sm_90/100 at 2 CTAs per SM). Per-tile costs (barrier, copy
+//          issue, row lookups, mask test) amortize over twice the MMAs of a 32-key tile.
+//   D=128  128 x 32, 2 stages:  66,828 B (a CTA of sm_86/89/120 may use 101,376 B; 2 CTAs per sm_80 SM)
+//   D=256  128 x 32, 2 stages: 132,364 B (sm_80/90/100)
+//   D=256   64 x 32, 2 stages:  99,596 B (sm_86/89/120: within 101,376 B with the static arrays)
+template <int WARPS_, int M_TILES_, int STAGES_, int MIN_CTAS_, bool Q_IN_REGS_> struct PrefillShape {
+  static constexpr int WARPS = WARPS_, M_TILES = M_TILES_, STAGES = STAGES_, MIN_CTAS = MIN_CTAS_;
+  static constexpr bool Q_IN_REGS = Q_IN_REGS_;
 };
-template <> struct PrefillConfig<128> {
-  static constexpr int WARPS = 4, M_TILES = 2, KEYS = 64, STAGES = 2, MIN_CTAS = 2;
-  static constexpr bool Q_IN_REGS = false;
-};
-template <> struct PrefillConfig<256> {
-  static constexpr int WARPS = 8, M_TILES = 1, KEYS = 32, STAGES = 2, MIN_CTAS = 1;
-  static constexpr bool Q_IN_REGS = false;
-};
+template <int D, int ROWS, int KEYS> struct PrefillConfig;
+template <> struct PrefillConfig<64, 128, 64> : PrefillShape<4, 2, 3, 2, true> {};
+template <> struct PrefillConfig<128, 128, 64> : PrefillShape<4, 2, 2, 2, false> {};
+template <> struct PrefillConfig<128, 128, 32> : PrefillShape<4, 2, 2, 2, false> {};
+template <> struct PrefillConfig<256, 128, 32> : PrefillShape<8, 1, 2, 1, false> {};
+template <> struct PrefillConfig<256, 64, 32> : PrefillShape<4, 1, 2, 1, false> {};
 
-template <typename T, typename Cache, int D>
+template <typename T, typename Cache, int D, int ROWS_, int KEYS_>
 struct PrefillSmem {
-  using Cfg = PrefillConfig<D>;
+  using Cfg = PrefillConfig<D, ROWS_, KEYS_>;
   using C = typename Cache::storage;
-  static constexpr int ROWS = 16 * Cfg::M_TILES * Cfg::WARPS;
-  static constexpr int KEYS = Cfg::KEYS;
+  static constexpr int ROWS = ROWS_;
+  static constexpr int KEYS = KEYS_;
+  static_assert(ROWS == 16 * Cfg::M_TILES * Cfg::WARPS, "the warps' m16 tiles cover the CTA's rows");
   static constexpr int NST = Cfg::STAGES;
   static constexpr int q_bytes = ROWS * D * 2;                                   // Q tile, then the output tile
   static constexpr int stage_bytes = 2 * KEYS * D * (int)sizeof(C);               // K and V tiles as stored
@@ -69,8 +79,9 @@ struct PrefillSmem {
   static_assert(total <= 163 * 1024, "an sm_80 CTA's dynamic shared memory");
 };
 
-template <typename T, typename Cache, int D>
-__global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>::MIN_CTAS) paged_prefill(
+template <typename T, typename Cache, int D, int TILE_ROWS, int TILE_KEYS>
+__global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS * 32,
+                                  PrefillConfig<D, TILE_ROWS, TILE_KEYS>::MIN_CTAS) paged_prefill(
     const T* __restrict__ q,  // (N, H, D): prologue output, or `query` itself
     const T* __restrict__ key, const T* __restrict__ value,  // new K/V rows to read (NewKeys), or null
     const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
@@ -80,11 +91,12 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     int token_count, int num_heads, int kv_num_heads, int batch_size, int num_blocks, int block_size,
     int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
     float softcap, int window, int is_causal, int k_quant, int v_quant) {
-  using Cfg = PrefillConfig<D>;
-  using L = PrefillSmem<T, Cache, D>;
+  using Cfg = PrefillConfig<D, TILE_ROWS, TILE_KEYS>;
+  using L = PrefillSmem<T, Cache, D, TILE_ROWS, TILE_KEYS>;
   using C = typename Cache::storage;
   constexpr int WARPS = Cfg::WARPS, THREADS = WARPS * 32, ROWS = L::ROWS, KEYS = L::KEYS, NST = L::NST;
   constexpr int MASK_WORDS = KEYS / 32;
+  constexpr bool CLEAN_CODES = Cache::quantized && !Cache::always_finite;  // fp8: NaN codes
   static_assert(D % 64 == 0 && D <= 256, "head_size 64, 128 or 256");
   static_assert(KEYS % 32 == 0 && KEYS <= THREADS, "one thread per key row when finding rows");
   static_assert(ROWS <= THREADS && ROWS % 32 == 0, "one thread per query row when locating rows");
@@ -106,6 +118,8 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   __shared__ int sHead[ROWS];  // query head of each row (g*G + row % G)
   __shared__ int sLo[ROWS], sHi[ROWS];  // admitted key range of each row (empty: zero output)
   __shared__ int sRangeLo[WARPS], sRangeHi[WARPS];
+  __shared__ int sInterLo[WARPS], sInterHi[WARPS];  // per locating warp: the intersection of its live rows' ranges
+  __shared__ int2 sCtaInter;  // the intersection over the CTA's live rows (caches that may hold NaN codes)
   __shared__ int4 sWarpRange[WARPS];  // per warp: union lo, union hi, intersection lo, intersection hi
   T* sQ = reinterpret_cast<T*>(smem);
   unsigned char* stages = smem + L::q_bytes;
@@ -142,6 +156,14 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       sRangeLo[warp] = rlo;
       sRangeHi[warp] = rhi;
     }
+    if constexpr (CLEAN_CODES) {
+      const int ilo = __reduce_max_sync(0xffffffffu, live ? lo : RANGE_NONE_HI);
+      const int ihi = __reduce_min_sync(0xffffffffu, live ? hi : RANGE_NONE_LO);
+      if (lane == 0) {
+        sInterLo[warp] = ilo;
+        sInterHi[warp] = ihi;
+      }
+    }
   }
   __syncthreads();
   int klo = RANGE_NONE_LO, khi = RANGE_NONE_HI;  // the union of the rows' ranges
@@ -149,6 +171,11 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   for (int w = 0; w < ROWS / 32; ++w) {
     klo = min(klo, sRangeLo[w]);
     khi = max(khi, sRangeHi[w]);
+  }
+  if (CLEAN_CODES && tid == 0) {  // (read inside the key loop, after its first barrier)
+    int2 inter = make_int2(RANGE_NONE_HI, RANGE_NONE_LO);
+    for (int w = 0; w < ROWS / 32; ++w) inter = make_int2(max(inter.x, sInterLo[w]), min(inter.y, sInterHi[w]));
+    sCtaInter = inter;
   }
   const int ntiles = khi > klo ? (khi - klo + KEYS - 1) / KEYS : 0;
   // Every admitted key is one of the sequence's new tokens: K/V tiles come from key / value (NewKeys).
@@ -213,16 +240,22 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
   // 16-byte column of rows key0, key0 + KSTEP, ..., so its swizzled destination is one offset.
   constexpr int CHUNKS_PER_ROW = D * (int)sizeof(C) / 16, KSTEP = THREADS / CHUNKS_PER_ROW;
   static_assert(THREADS % CHUNKS_PER_ROW == 0 && KEYS % KSTEP == 0, "whole copy rounds");
-  static_assert(Cache::quantized || KSTEP % 8 == 0, "one swizzle phase per thread");
+  // The swizzle repeats every 8 rows: with KSTEP % 8 == 4 (D=256 on 4 warps) it alternates between
+  // two offsets, rows key0 + 8j (even rounds) and key0 + 4 + 8j (odd rounds).
+  constexpr bool TWO_PHASES = !Cache::quantized && KSTEP % 8 != 0;
+  static_assert(Cache::quantized || KSTEP % 4 == 0, "at most two swizzle phases per thread");
   const int copy_key0 = tid / CHUNKS_PER_ROW, copy_col = (tid % CHUNKS_PER_ROW) * 16;  // bytes
   const unsigned copy_dst = Cache::quantized ? (unsigned)(copy_key0 * D + copy_col)
                                              : (unsigned)(2 * swz<D>(copy_key0, copy_col / 2));
+  const unsigned copy_dst_odd =
+      TWO_PHASES ? (unsigned)(2 * swz<D>(copy_key0 + KSTEP, copy_col / 2) - KSTEP * D * (int)sizeof(C)) : copy_dst;
   const unsigned char* k_src =
       reinterpret_cast<const unsigned char*>(from_inputs ? (const void*)key : (const void*)key_cache) + copy_col;
   const unsigned char* v_src =
       reinterpret_cast<const unsigned char*>(from_inputs ? (const void*)value : (const void*)value_cache) + copy_col;
   auto load_tile = [&](int st, int rs) {
     const unsigned dK = stages_a + st * L::stage_bytes + copy_dst;
+    const unsigned dK_odd = stages_a + st * L::stage_bytes + copy_dst_odd;
     const long long* rows = sRows + rs * KEYS + copy_key0;
     const int* bytes = sBytes + rs * KEYS + copy_key0;
     long long off[KEYS / KSTEP];
@@ -234,8 +267,9 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
     }
 #pragma unroll
     for (int i = 0; i < KEYS / KSTEP; ++i) {
-      cp_async_16_or_zero(dK + i * KSTEP * D * (int)sizeof(C), k_src + off[i], n[i]);
-      cp_async_16_or_zero(dK + KEYS * D * (int)sizeof(C) + i * KSTEP * D * (int)sizeof(C), v_src + off[i], n[i]);
+      const unsigned d = (TWO_PHASES && (i & 1)) ? dK_odd : dK;
+      cp_async_16_or_zero(d + i * KSTEP * D * (int)sizeof(C), k_src + off[i], n[i]);
+      cp_async_16_or_zero(d + KEYS * D * (int)sizeof(C) + i * KSTEP * D * (int)sizeof(C), v_src + off[i], n[i]);
     }
   };
 
@@ -335,10 +369,21 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       // Every warp reads every key, so the whole CTA widens the tile, then waits for it.
       const C* rK = reinterpret_cast<const C*>(stages + stage * L::stage_bytes);
       const C* rV = rK + KEYS * D;
-      for (int c = tid; c < KEYS * D / 16; c += THREADS) {
-        const int key = c / (D / 16), col = (c % (D / 16)) * 16;
-        widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
-        widen16<T, Cache>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
+      // Codes that decode to NaN (fp8) in a tile with keys some live row does not admit are widened
+      // as 0, as 16-bit V fragments are cleaned below (the whole tile: every warp reads it).
+      const int kt0 = klo + kt * KEYS;
+      if (CLEAN_CODES && (kt0 < sCtaInter.x || kt0 + KEYS > sCtaInter.y)) {
+        for (int c = tid; c < KEYS * D / 16; c += THREADS) {
+          const int key = c / (D / 16), col = (c % (D / 16)) * 16;
+          widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
+          widen16<T, Cache, CLEAN_CODES>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
+        }
+      } else {
+        for (int c = tid; c < KEYS * D / 16; c += THREADS) {
+          const int key = c / (D / 16), col = (c % (D / 16)) * 16;
+          widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
+          widen16<T, Cache>(rV + key * D + col, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
+        }
       }
       __syncthreads();
       k_base = sKw_a + k_lane;
@@ -483,7 +528,19 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       }
     }
 
-    // O += P V; each V fragment serves all MT tiles.
+    // O += P V; each V fragment serves all MT tiles. A key that some live row of the warp does not
+    // admit (outside the intersection of their ranges: causal future, left of a window, another
+    // row's position) has P = 0 there, and 0 times an Inf or NaN V element is NaN: the 16-key steps
+    // holding such keys read V with non-finite values replaced by 0 (for a row that admits the key
+    // the result is unspecified anyway). Masked keys were zero-filled; interior tiles need nothing
+    // (16-bit caches; fp8 codes are cleaned as they are widened, above. The intersection is read
+    // again: no register holds it across the products.)
+    bool clean_v[KEYS / 16];
+    if constexpr (!Cache::quantized) {
+      const int4 inter = sWarpRange[warp];
+#pragma unroll
+      for (int j2 = 0; j2 < KEYS / 16; ++j2) clean_v[j2] = !(kt0 + 16 * j2 >= inter.z && kt0 + 16 * j2 + 16 <= inter.w);
+    }
 #pragma unroll
     for (int j2 = 0; j2 < KEYS / 16; ++j2) {
       unsigned a[MT][4];
@@ -498,6 +555,10 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       for (int nn = 0; nn < D / 16; ++nn) {
         unsigned bv[4];
         ldsm_x4_trans(bv, step_addr(v_base, nn) + j2 * 16 * ROW_BYTES);
+        if (!Cache::quantized && clean_v[j2]) {  // (uniform in the warp)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) bv[e] = finite_or_zero2<T>(bv[e]);
+        }
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           Mma<T>::run(o[m][2 * nn], a[m], bv[0], bv[1]);
@@ -526,13 +587,16 @@ __global__ void __launch_bounds__(PrefillConfig<D>::WARPS * 32, PrefillConfig<D>
       const float sink = has_sink ? Act<T>::to_float(head_sink[sHead[row]]) : 0.0f;
       // finalize() of a unit O is the row's factor (sink and 1/L; 0 without admitted keys), so
       // each channel costs one multiply instead of a division.
+      // A row without admitted keys writes zeros, selected (its o may hold anything: interior tiles
+      // are not masked for it).
       const float factor = live ? finalize(row_max[i] * CUPA_LN2, row_sum[i], 1.0f, has_sink, sink, 1.0f) : 0.0f;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         const int d = n * 8 + (lane & 3) * 2;
         const float vs0 = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
         const float vs1 = v_quant ? quant_scale(v_scale, v_quant, g, D, d + 1) : 1.0f;
-        const float x0 = o[m][n][2 * hf] * factor * vs0, x1 = o[m][n][2 * hf + 1] * factor * vs1;
+        const float x0 = live ? o[m][n][2 * hf] * factor * vs0 : 0.0f;
+        const float x1 = live ? o[m][n][2 * hf + 1] * factor * vs1 : 0.0f;
         *reinterpret_cast<unsigned*>(sQ + swz<D>(row, d)) = Mma<T>::pack(x0, x1);
       }
     }

@@ -1,7 +1,8 @@
-// Pieces shared by the prefill kernels (prefill.cu: mma.sync; prefill_wgmma.cu: sm_90a wgmma):
-// the tile numbering over a ragged batch (owner_origin, seq_first_tile, tile_owner), the zero pass
-// for tokens no sequence owns, a division by the run-time block size without a divide, and the
-// shared-space ldmatrix wrappers. Moved here from prefill.cu.
+// Pieces shared by the prefill kernels (prefill.cu: mma.sync; prefill_wgmma_ws.cu: sm_90a wgmma):
+// the tile numbering over a ragged batch (owner_origin, seq_first_tile, tile_owner), each row's
+// token and admitted range, new keys read from the key / value inputs, the zero pass for tokens no
+// sequence owns, a division by the run-time block size without a divide, and the shared-space
+// ldmatrix wrappers.
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"

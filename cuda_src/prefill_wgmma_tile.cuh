@@ -1,6 +1,6 @@
-// The per-tile softmax and the epilogue shared by the two wgmma prefill kernels (prefill_wgmma.cu,
-// prefill_wgmma_ws.cu), on the accumulator layout of wgmma.m64nNk16 (wgmma.cuh): lane l of warp w
-// of a warpgroup holds rows 16w + l/4 and 16w + l/4 + 8, d[4j + e] = D[row (e/2 ? +8)][8j + 2(l%4) + e%2].
+// The per-tile softmax and the epilogue of the wgmma prefill (prefill_wgmma_ws.cu), on the
+// accumulator layout of wgmma.m64nNk16 (wgmma.cuh): lane l of warp w of a warpgroup holds rows
+// 16w + l/4 and 16w + l/4 + 8, d[4j + e] = D[row (e/2 ? +8)][8j + 2(l%4) + e%2].
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
@@ -127,12 +127,13 @@ CUPA_DEVICE void wg_store_rows(const float (&o)[D / 2], const float (&row_max)[2
     const int row = warp_row + (lane >> 2) + 8 * hf;
     const bool live = hi_row[row] > lo_row[row];
     const float sink = has_sink ? Act<T>::to_float(head_sink[head_row[row]]) : 0.0f;
-    // finalize() of a unit O is the row's factor (sink and 1/L; 0 without admitted keys).
+    // finalize() of a unit O is the row's factor (sink and 1/L). A row without admitted keys writes
+    // zeros, selected (its o may hold anything: interior tiles are not masked for it).
     const float factor = live ? finalize(row_max[hf] * CUPA_LN2, row_sum[hf], 1.0f, has_sink, sink, 1.0f) : 0.0f;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       const int d = n * 8 + (lane & 3) * 2;
-      const float x0 = o[4 * n + 2 * hf] * factor, x1 = o[4 * n + 2 * hf + 1] * factor;
+      const float x0 = live ? o[4 * n + 2 * hf] * factor : 0.0f, x1 = live ? o[4 * n + 2 * hf + 1] * factor : 0.0f;
       *reinterpret_cast<unsigned*>(sO + wg_off<ROWS>(row, d)) = Mma<T>::pack(x0, x1);
     }
   }

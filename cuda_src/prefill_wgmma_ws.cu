@@ -1,6 +1,11 @@
 // Paged prefill on Hopper, warp-specialized and persistent (sm_90a only): fp16/bf16 T, T caches,
-// head_size 128. The contract, tile numbering, masking and contract §4.4 rules of paged_prefill_wgmma
-// (prefill_wgmma.cu); what changes is who does what, and when.
+// head_size 128. The contract, row tiles (ROWS = 128 (new token, query head) rows of one sequence
+// and one KV head, token-major), tile numbering over a ragged batch, zero pass and contract §4.4 rules of
+// paged_prefill (prefill.cu, prefill_tiles.cuh), with both products on wgmma. Reads: Q (the
+// prologue's workspace or `query`), the caches through the block table (or new K/V from key /
+// value: NewKeys), cum / past_seqlens / query_positions, head_sink. Writes: `out`. Host values that
+// size the launch: token_count, batch_size, head counts (num_tiles, zero_ctas) and the CTA count
+// (at most one per SM); none enters a mask.
 //
 // One CTA per SM (512 threads, ~200 KB of shared memory) loops over the work items (row tile x, KV
 // head g; numbered heaviest first as the one-CTA-per-item kernels number their CTAs), round r taking
@@ -25,14 +30,16 @@
 //     strict alternation (named barriers 1 and 2: FA3's ping-pong), so one warpgroup's softmax runs
 //     while the other's products keep the tensor cores busy. The epilogue writes each warp's 16 rows
 //     through its own rows of the item's Q buffer, then gives the buffer back to the scheduler.
-// Full / empty mbarriers per Q buffer and per stage (K and V apart) replace the per-tile CTA barrier.
+// Full / empty mbarriers per Q buffer (the Q rows and row data for the consumers, the WsItem for the
+// copiers) and per stage (K and V apart) replace the per-tile CTA barrier. A key a row does not admit
+// never reaches its output: masked scores are selected to -inf, V rows that meet P = 0 in a tile are
+// cleaned of Inf / NaN before the product (clean_v), and rows without admitted keys write zeros.
 // Ordering: TMA writes complete the full barriers' tx bytes (expect_tx by the issuing lane first),
 // cp.async writes are tracked by them (cp.async.mbarrier.arrive), and the consumers run
 // fence.proxy.async after each wait, before wgmma reads the data (async proxy); a
 // consumer releases a stage after wgmma.wait_group, whose completion orders its reads before the
 // copier's next writes (wgmma.cuh). Every wgmma is issued unconditionally (see the consumer loop).
-// Measured on the H200 (docs/performance.md): with the TMA feed 339 us without a past (B=4 x 2048,
-// 406 TFLOP/s; 368 with cp.async only) and 1008 us on chunked prefill (B=8 x 512 over 8192, 562).
+// Its times on the H200 are in docs/performance.md.
 #include "common.cuh"
 #include "mma.cuh"
 #include "paged.cuh"
@@ -82,6 +89,7 @@ struct WsItem {
   int b, g;              // sequence, KV head
   int from_inputs, tok_shift;  // new K/V rows read from key / value (NewKeys)
   int2 wg[WsPrefillConfig::CONSUMERS];
+  int2 all;              // the intersection over every live row of the item (V rows outside it are cleaned)
 };
 
 // Named barriers (0 is __syncthreads): the consumers' turns, each consumer warpgroup's own, the scheduler's.
@@ -115,8 +123,8 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   constexpr int KC = KEYS / (CPT / 32);  // keys of a tile per copier warp
   static_assert(KEYS == 128 && KC == 32 && ROWS == ST && NQ == 2, "copier lane l: key l of its warp's 32; scheduler thread i: row i");
 
-  // As paged_prefill_wgmma: without new-key inputs every CTA waits for the prologue here; with them
-  // CTA 0 does, and a copier warp before its first cache read.
+  // As paged_prefill: without new-key inputs every CTA waits for the prologue here; with them CTA 0
+  // does, and a copier warp before its first cache read.
   const bool kv_new = key != nullptr;
   if (!kv_new || blockIdx.x == 0) grid_dependency_wait();
   if ((int)blockIdx.x < zero_ctas) {
@@ -133,17 +141,20 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   __shared__ WsItem sItem[NQ];
   __shared__ unsigned sMapped[NST][KEYS / 32];  // per stage: mapped-key bit mask of its K/V tile
   __shared__ __align__(16) int sRows[Cfg::COPIER_THREADS / 32][2][16];  // per copier warp: rows of its keys (this tile)
-  __shared__ __align__(8) unsigned long long sBar[3 * NQ + 4 * NST];
+  __shared__ __align__(8) unsigned long long sBar[4 * NQ + 4 * NST];
   const unsigned q_a = smem_addr(smem), stages_a = q_a + NQ * L::q_bytes;
   const unsigned bar_a = smem_addr(sBar);
-  // mbarriers: q_full / q_empty per Q buffer, k_full / v_full / k_empty / v_empty per stage.
+  // mbarriers: q_full / q_empty / info_full / info_empty per Q buffer, k_full / v_full / k_empty / v_empty
+  // per stage. info_empty: every copier thread has read the item's WsItem, so the scheduler may rewrite it
+  // (the consumers' q_empty does not say so: they never wait for the copiers on an item without tiles).
   auto q_full = [&](int i) { return bar_a + 8u * i; };
   auto q_empty = [&](int i) { return bar_a + 8u * (NQ + i); };
   auto info_full = [&](int i) { return bar_a + 8u * (2 * NQ + i); };  // the item's WsItem, for the copiers
-  auto k_full = [&](int s) { return bar_a + 8u * (3 * NQ + s); };
-  auto v_full = [&](int s) { return bar_a + 8u * (3 * NQ + NST + s); };
-  auto k_empty = [&](int s) { return bar_a + 8u * (3 * NQ + 2 * NST + s); };
-  auto v_empty = [&](int s) { return bar_a + 8u * (3 * NQ + 3 * NST + s); };
+  auto info_empty = [&](int i) { return bar_a + 8u * (3 * NQ + i); };
+  auto k_full = [&](int s) { return bar_a + 8u * (4 * NQ + s); };
+  auto v_full = [&](int s) { return bar_a + 8u * (4 * NQ + NST + s); };
+  auto k_empty = [&](int s) { return bar_a + 8u * (4 * NQ + 2 * NST + s); };
+  auto v_empty = [&](int s) { return bar_a + 8u * (4 * NQ + 3 * NST + s); };
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   if (tid == 0) {
@@ -151,6 +162,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       mbar_init(q_full(i), ST);
       mbar_init(q_empty(i), CT);
       mbar_init(info_full(i), 1);
+      mbar_init(info_empty(i), CPT);
     }
     for (int s = 0; s < NST; ++s) {
       mbar_init(k_full(s), CPT);
@@ -188,7 +200,10 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
           if (!locate_row_tile<ROWS>(cum, B, token_count, (long long)num_tiles - 1 - w / Hk, G, lane, rt)) continue;
         }
         const int buf = n & 1;
-        if (n >= NQ) mbar_wait(q_empty(buf), ((n >> 1) + 1) & 1);  // the consumers are done with item n - 2
+        if (n >= NQ) {
+          mbar_wait(q_empty(buf), ((n >> 1) + 1) & 1);     // the consumers are done with item n - 2
+          mbar_wait(info_empty(buf), ((n >> 1) + 1) & 1);  // and so are the copiers (at once, but for
+        }                                                   // items without tiles)
         if (!more) {  // no more items: tell the consumers and the copiers
           if (stid == 0) {
             sItem[buf].ntiles = -1;
@@ -235,6 +250,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             const int4 r0 = sLocRange[buf][2 * u], r1 = sLocRange[buf][2 * u + 1];
             item.wg[u] = make_int2(max(r0.z, r1.z), min(r0.w, r1.w));
           }
+          item.all = make_int2(max(item.wg[0].x, item.wg[1].x), min(item.wg[0].y, item.wg[1].y));
           sItem[buf] = item;
           mbar_arrive(info_full(buf));  // the copiers may start on the item's keys
         }
@@ -285,6 +301,9 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       unsigned it = 0;  // K/V tiles issued, over all items
       for (unsigned n = 0;; ++n) {
         const int buf = n & 1;
+        // Item n - 1's WsItem is read (by this thread): the scheduler may rewrite it. (Arriving here rather
+        // than after the item's tiles keeps a register free in the tile loop.)
+        if (n > 0) mbar_arrive(info_empty(buf ^ 1));
         mbar_wait(info_full(buf), (n >> 1) & 1);
         const int ntiles = sItem[buf].ntiles;
         if (ntiles < 0) break;
@@ -306,7 +325,8 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             const int index = block_div.div(k);
             const int blk = physical_block(block_table, max_blocks, num_blocks, f.b, index);
             if (blk < 0) return -1;
-            // the row: new token k + tok_shift of key / value, or the cache slot (< 2^31: a slot count)
+            // the row: new token k + tok_shift of key / value, or the cache slot (32-bit: the host sends
+            // this kernel caches of fewer than 2^31 slots, num_blocks * block_size; prefill_wgmma.py)
             return f.from_inputs ? new_token_row(k, s.tok_shift) : blk * block_size + (k - index * block_size);
           };
           // Source of chunk c of the rows: key / value or the cache, at KV head g.
@@ -409,7 +429,15 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   if (u == 1) bar_arrive(WS_BAR_TURN, CT);  // warpgroup 0 takes the first turn
 
   const WgScores sc(scale, softcap);
-  // Descriptors (prefill_wgmma.cu's layout notes, with KEYS = 128): K-major Q and K, MN-major V.
+  // Shared-memory layouts (16-bit, 128B swizzle; descriptor fields in wgmma.cuh): a [rows][128] tile
+  // (a Q buffer: rows = ROWS; K, V: rows = KEYS) is two slabs [rows][64], slab h holding columns
+  // 64h..64h+63 at byte h*rows*128, element (r, c) of a slab at r*128 + ((c/8 ^ r%8) * 16) + (c%8)*2
+  // (wg_off); every slab starts 1024-aligned.
+  //   Q (A of S, K-major), warpgroup u, k16 step kk: start = Q + (kk/4)*ROWS*128 + u*64*128 + (kk%4)*32,
+  //     SBO = 1024 (the next 8 rows), LBO unused.
+  //   K (B of S, K-major, N = KEYS keys): start = K + (kk/4)*KEYS*128 + (kk%4)*32, SBO = 1024.
+  //   V (B of O, MN-major, N = 128 channels = two 64-wide slabs, K = 16 keys per step j2):
+  //     start = V + j2*16*128, LBO = KEYS*128 (slab 0 -> slab 1 along N), SBO = 1024 (keys 0..7 -> 8..15).
   const unsigned long long kv_desc0 = wg_desc_sw128(stages_a, 16, 1024);
   const unsigned long long v_desc0 = wg_desc_sw128(stages_a + L::tile_bytes, KEYS * 128, 1024);
   auto qk_step = [](int kk, int rows) { return (unsigned long long)(((kk >> 2) * rows * 128 + (kk & 3) * 32) >> 4); };
@@ -444,6 +472,34 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     auto read_mapped = [&](int st) {
 #pragma unroll
       for (int w = 0; w < KEYS / 32; ++w) mw[w] = sMapped[st][w];
+    };
+    // V rows of keys that some live row of the item does not admit (outside sItem.all: causal future,
+    // left of a window, another row's range) meet P = 0 there, and 0 times an Inf or NaN V element is
+    // NaN in O += P V. Before its P V of such a tile, each consumer warpgroup replaces the non-finite
+    // values of those rows in shared memory by 0 (for a row that admits the key the result is
+    // unspecified anyway). Both warpgroups clean the same rows and write the same zeros, each before
+    // its own product reads them, so the bits do not depend on timing; the fence.proxy.async that
+    // follows orders the writes before wgmma's reads, and the stage's release orders them before the
+    // copier's next writes. Masked keys (below kmin, from khi on, unmapped) were zero-filled; a tile
+    // inside the intersection costs a few compares.
+    auto clean_v = [&](int st, int kt) {
+      const int kt0 = klo + kt * KEYS;
+      const int a = max(kt0, sItem[buf].kmin), b = min(kt0 + KEYS, sItem[buf].khi);
+      const int2 in = sItem[buf].all;
+      const bool none = in.x >= in.y;  // (no key every live row admits)
+      const int hi1 = none ? b : min(b, in.x), lo2 = none ? b : max(a, in.y);
+      const int n1 = max(0, hi1 - a), n2 = max(0, b - lo2);  // keys [a, hi1) and [lo2, b)
+      if (n1 + n2 == 0) return;
+      unsigned char* v_tile = smem + NQ * L::q_bytes + st * L::stage_bytes + L::tile_bytes;
+      for (int i = (tid - PT) & 127; i < (n1 + n2) * 16; i += 128) {
+        const int r = i >> 4, c = i & 15;  // 16-byte chunk c of key row r of the two ranges
+        const int k = r < n1 ? a + r : lo2 + (r - n1);
+        uint4* at = reinterpret_cast<uint4*>(v_tile + (c >> 3) * (KEYS * 128) + (k - kt0) * 128 + (c & 7) * 16);
+        const uint4 w = *at;
+        const uint4 f = make_uint4(finite_or_zero2<T>(w.x), finite_or_zero2<T>(w.y), finite_or_zero2<T>(w.z),
+                                   finite_or_zero2<T>(w.w));
+        if (f.x != w.x || f.y != w.y || f.z != w.z || f.w != w.w) *at = f;
+      }
     };
     // S = Q K^T of tile kt (stage st): 8 k16 steps over D (the first overwrites s).
     auto issue_s = [&](int st) {
@@ -503,6 +559,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         const unsigned iv = it + kt, ik = iv + 1;
         const int sv = iv % NST, sk = ik % NST;
         mbar_wait(v_full(sv), (iv / NST) & 1);
+        clean_v(sv, kt);
         mbar_wait(k_full(sk), (ik / NST) & 1);
         read_mapped(sk);
         fence_proxy_async_shared();
@@ -524,6 +581,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         const unsigned iv = it + ntiles - 1;
         const int sv = iv % NST;
         mbar_wait(v_full(sv), (iv / NST) & 1);
+        clean_v(sv, ntiles - 1);
         fence_proxy_async_shared();
         bar_sync(my_turn, CT);
         fence_operands();

@@ -20,13 +20,10 @@
 #include "quant.cuh"
 #include "rope.cuh"
 
-// Plain-copy chunks of 16 bytes a thread keeps in flight per pass (-DCUPA_PROLOGUE_U=1 in a test
-// forces the multi-pass path); at most PROLOGUE_MAX_TPC tokens per CTA, no more than its warps
-// (warp k copies token k's plain rows; cupa/kernels/prologue.py keeps to it).
-#ifndef CUPA_PROLOGUE_U
-#define CUPA_PROLOGUE_U 8
-#endif
-constexpr int PROLOGUE_U = CUPA_PROLOGUE_U;
+// Plain-copy chunks of 16 bytes a thread keeps in flight per pass (a token with more plain chunks
+// than PROLOGUE_U x its team takes several passes); at most PROLOGUE_MAX_TPC tokens per CTA, no more
+// than its warps (warp k copies token k's plain rows; cupa/kernels/prologue.py keeps to it).
+constexpr int PROLOGUE_U = 8;
 constexpr int PROLOGUE_MAX_TPC = 4;
 // CTA size of the prologue that runs beside the prefill attention kernel (TOKEN_LOOP; mirrored in
 // cupa/kernels/prologue.py); the others have 128 threads.

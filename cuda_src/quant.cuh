@@ -10,6 +10,7 @@ enum QuantMode { QUANT_NONE = 0, QUANT_PER_TENSOR = 1, QUANT_PER_CHANNEL = 2 };
 template <typename T> struct CacheSame {
   using storage = T;
   static constexpr bool quantized = false;
+  static constexpr bool always_finite = false;  // any bits (Inf, NaN) may sit in a cache row
   static CUPA_DEVICE float decode(storage c) { return Act<T>::to_float(c); }
   static CUPA_DEVICE storage encode(float x_t, float /*inv_scale*/) { return Act<T>::from_float(x_t); }
 };
@@ -18,6 +19,7 @@ template <typename T> struct CacheSame {
 struct CacheInt8 {
   using storage = signed char;
   static constexpr bool quantized = true;
+  static constexpr bool always_finite = true;
   static CUPA_DEVICE float decode(storage c) { return static_cast<float>(c); }
   static CUPA_DEVICE storage encode(float x_t, float inv_scale) {
     float q = rintf(__fmul_rn(x_t, inv_scale));  // rintf: round half to even
@@ -30,12 +32,19 @@ struct CacheInt8 {
 struct CacheFp8 {
   using storage = unsigned char;
   static constexpr bool quantized = true;
+  static constexpr bool always_finite = false;  // 0x7f and 0xff are NaN
   static CUPA_DEVICE float decode(storage c) {
     __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(c), __NV_E4M3);
     return __half2float(__ushort_as_half(h.x));
   }
   static CUPA_DEVICE storage encode(float x_t, float inv_scale) {
     return static_cast<storage>(__nv_cvt_float_to_fp8(__fmul_rn(x_t, inv_scale), __NV_SATFINITE, __NV_E4M3));
+  }
+  // Four codes (a 32-bit word) with each NaN replaced by 0: adding 1 to the low 7 bits carries into
+  // bit 7 exactly when they are all ones, and that bit becomes a byte mask.
+  static CUPA_DEVICE unsigned finite4(unsigned w) {
+    const unsigned top = ((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+    return w & ~(top | (top - (top >> 7)));
   }
 };
 
@@ -105,10 +114,17 @@ template <> struct Widen4<__nv_bfloat16, CacheFp8> {
   }
 };
 
-// Widen 16 cache codes (one 16-byte chunk) to 16 T values (two 16-byte chunks).
-template <typename T, typename Cache>
+// Widen 16 cache codes (one 16-byte chunk) to 16 T values (two 16-byte chunks); FINITE: codes that
+// decode to a non-finite value (Cache::finite4) are widened as 0.
+template <typename T, typename Cache, bool FINITE = false>
 CUPA_DEVICE void widen16(const typename Cache::storage* src, T* dst_lo, T* dst_hi) {
-  const uint4 w = *reinterpret_cast<const uint4*>(src);
+  uint4 w = *reinterpret_cast<const uint4*>(src);
+  if constexpr (FINITE) {
+    w.x = Cache::finite4(w.x);
+    w.y = Cache::finite4(w.y);
+    w.z = Cache::finite4(w.z);
+    w.w = Cache::finite4(w.w);
+  }
   uint4 a, b;
   Widen4<T, Cache>::run(w.x, a.x, a.y);
   Widen4<T, Cache>::run(w.y, a.z, a.w);

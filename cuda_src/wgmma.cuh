@@ -1,6 +1,7 @@
 // Hopper warpgroup MMA (wgmma, sm_90a only) building blocks: shared-memory matrix descriptors, the
-// fences and group operations, and the few instruction shapes the wgmma prefill uses
-// (cuda_src/prefill_wgmma.cu). Compile for sm_90a; plain sm_90 rejects every wgmma instruction.
+// fences and group operations, the instruction shapes the wgmma prefill (cuda_src/prefill_wgmma_ws.cu)
+// and the MLA kernel (cuda_src/mla_wgmma.cu) use; mbarriers, named barriers, setmaxnreg and TMA. Compile for sm_90a;
+// plain sm_90 rejects every wgmma instruction.
 //
 // Matrix descriptor (64 bits; PTX ISA "Matrix Descriptor Format", CUTLASS GmmaDescriptor):
 //   bits  0..13  start address >> 4 (a shared-space byte address; < 256 KB fits)
@@ -80,23 +81,6 @@ template <typename T> CUPA_DEVICE void wgmma_ss_m64n64k16(float (&d)[32], unsign
         " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-}
-// D[64 x 64] (+)= A[64 x 16] * B[16 x 64]; A from registers (the m16n8k16 A fragment of each warp's
-// 16 rows), B from shared memory MN-major (imm-trans-b = 1).
-template <typename T> CUPA_DEVICE void wgmma_rs_m64n64k16_tb(float (&d)[32], const unsigned (&a)[4], unsigned long long desc_b, int scale_d) {
-  if constexpr (WgIsHalf<T>::value) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  } else {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
   }
 }
 // D[64 x 128] (+)= A[64 x 16] * B[16 x 128]; A from registers (the m16n8k16 A fragment of each warp's

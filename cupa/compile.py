@@ -91,11 +91,46 @@ def check(specs, archs, jobs: int, out=None, verbose: bool = False) -> list:
     return sorted(results, key=lambda r: order[(r.spec, r.arch)])
 
 
+def _warm_one(spec: Specialization) -> tuple:
+    from .jit import get_kernel
+
+    start = time.perf_counter()
+    try:
+        get_kernel(spec)
+    except Exception as exc:  # reported, not fatal: the call that needs it reports it again
+        return str(spec), time.perf_counter() - start, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return str(spec), time.perf_counter() - start, ""
+
+
+def warm(specs, jobs: int) -> int:
+    """Compile ``specs`` for the current device into the disk caches, in ``jobs`` processes (one CUDA
+    context each); a specialization pinned to another arch than the device's is skipped."""
+    import multiprocessing
+
+    from .device import device_info
+
+    device = device_info(0)
+    runnable = [s for s in dict.fromkeys(specs) if not s.arch or _arch_number(s.arch) == device.arch]
+    start = time.perf_counter()
+    failed = 0
+    with multiprocessing.get_context("spawn").Pool(max(1, jobs)) as pool:
+        for name, seconds, error in pool.imap_unordered(_warm_one, runnable):
+            failed += bool(error)
+            print(f"{'FAIL' if error else 'ok  '} {name}  {seconds:.1f} s" + (f"  {error}" if error else ""),
+                  flush=True)
+    print(f"warm: {len(runnable) - failed}/{len(runnable)} specializations in the caches for {device} in "
+          f"{time.perf_counter() - start:.0f} s")
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupa.compile", description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="compile every registered specialization offline")
     mode.add_argument("--list", action="store_true", help="print the registered specializations")
+    mode.add_argument("--warm", action="store_true",
+                      help="compile every specialization the current GPU can run into the kernel caches (CuPy's and "
+                           "cupa's cubin cache), in --jobs processes, so a first call loads instead of compiling")
     parser.add_argument("--arch", default=",".join(DEFAULT_ARCHS),
                         help="comma-separated real architectures (default %(default)s; sm_90a for wgmma)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: CPUs)")
@@ -118,6 +153,9 @@ def main(argv=None) -> int:
         print("ERROR: no specializations to compile" + (f" match {args.filter!r}" if args.filter else
               " (all_specializations() returned none)"), file=sys.stderr)
         return 2
+
+    if args.warm:
+        return warm(specs, args.jobs)
 
     if args.list:
         for s in specs:

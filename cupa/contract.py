@@ -616,3 +616,85 @@ def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
         has_bias=bias is not None, bias_shape=bias_shape, has_metadata=md is not None,
         max_query_len_bound=max_q, max_kv_len_bound=max_kv, max_kv_len_lower_bound=min_kv,
     )
+
+
+def _first_bad(name: str, values: np.ndarray, bad: np.ndarray, expected: str):
+    """The PagedAttentionError for the first True entry of ``bad`` (an index of ``values``)."""
+    index = tuple(int(i) for i in np.argwhere(bad)[0])
+    where = str(index[0]) if len(index) == 1 else str(index)
+    return fail(name, f"{values[index]} at index {where}", expected)
+
+
+def validate_data(problem: Problem, arrays: Mapping[str, Optional[np.ndarray]]) -> None:
+    """Check the values of the index inputs and scales on the host (``cupa.Options(validate_data=True)``).
+
+    Each rule below is data a kernel handles with one defined, memory-safe outcome (contract §4.4:
+    masked, skipped or zero output) but that a well-formed call never holds, so a check that costs one
+    pass over small host arrays turns a silent wrong answer into an error. ``arrays`` maps input names
+    to NumPy arrays (host copies of the inputs; absent inputs missing or None), shaped as ``problem``
+    says (:func:`validate` has checked the shapes and dtypes).
+
+    - cumulative_sequence_length: starts at 0, never decreases, ends at token_count;
+    - past_seqlens: >= 0, and kv_len = past_seqlens[b] + new tokens within the block table's
+      capacity (block_table.shape[1] * block_size);
+    - block_table: -1 (unmapped) or a block id in [0, num_blocks);
+    - slot_mapping: -1 (skip) or a slot in [0, num_blocks * block_size);
+    - query_positions: >= 0, and < cos_cache.shape[0] with do_rotary=1 (so are derived positions);
+    - k_scale, v_scale: positive and finite (:func:`cupa.helpers.check_scale`).
+
+    Raises
+    ------
+    PagedAttentionError
+        For the first rule broken, naming the input and the index of the first bad entry.
+    """
+    from .helpers import check_scale
+
+    N, B, NB, bs = problem.token_count, problem.batch_size, problem.num_blocks, problem.block_size
+    cum = np.asarray(arrays["cumulative_sequence_length"]).astype(np.int64)
+    if cum[0] != 0:
+        raise _first_bad("cumulative_sequence_length", cum, np.arange(B + 1) == 0, "cum[0] == 0")
+    step = np.diff(cum)
+    if (step < 0).any():
+        raise _first_bad("cumulative_sequence_length", cum, np.append(False, step < 0),
+                         "non-decreasing entries (cum[b+1] >= cum[b]: sequence b owns tokens [cum[b], cum[b+1]))")
+    if cum[B] != N:
+        raise _first_bad("cumulative_sequence_length", cum, np.arange(B + 1) == B,
+                         f"cum[batch_size] == token_count ({N}): every token belongs to a sequence")
+    past = np.asarray(arrays["past_seqlens"]).astype(np.int64)
+    if (past < 0).any():
+        raise _first_bad("past_seqlens", past, past < 0, "entries >= 0 (tokens already cached)")
+    kv_len = past + step
+    capacity = problem.static_kv_capacity
+    if (kv_len > capacity).any():
+        raise _first_bad("past_seqlens", past, kv_len > capacity,
+                         f"past_seqlens[b] + new tokens (kv_len) <= the block table's capacity "
+                         f"{problem.max_blocks_per_seq}*{bs} = {capacity}")
+    block_table = np.asarray(arrays["block_table"])
+    bad = (block_table < -1) | (block_table >= NB)
+    if bad.any():
+        raise _first_bad("block_table", block_table, bad, f"-1 (unmapped) or a block id in [0, {NB})")
+    if problem.has_slot_mapping:
+        slots = np.asarray(arrays["slot_mapping"])
+        bad = (slots < -1) | (slots >= NB * bs)
+        if bad.any():
+            raise _first_bad("slot_mapping", slots, bad, f"-1 (no write) or a slot in [0, {NB * bs}) "
+                             f"(num_blocks*block_size = {NB}*{bs})")
+    if problem.has_query_positions:
+        positions = np.asarray(arrays["query_positions"])
+        if (positions < 0).any():
+            raise _first_bad("query_positions", positions, positions < 0, "positions >= 0")
+    if problem.attrs.do_rotary:
+        rows = problem.rotary_max_pos
+        expected = f"positions < cos_cache.shape[0] ({rows}) with do_rotary=1"
+        if problem.has_query_positions:
+            if (positions >= rows).any():
+                raise _first_bad("query_positions", positions, positions >= rows, expected)
+        else:                                   # the last new token of sequence b sits at kv_len - 1
+            bad = (kv_len > rows) & (step > 0)
+            if bad.any():
+                raise _first_bad("past_seqlens", past, bad,
+                                 expected + ": a sequence's new tokens sit at positions past_seqlens[b] + j")
+    if problem.quantized:
+        check_scale(arrays["k_scale"], "k_scale")
+        if not problem.latent:
+            check_scale(arrays["v_scale"], "v_scale")

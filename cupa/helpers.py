@@ -8,9 +8,13 @@ int8 saturates to [-128, 127]; float8 e4m3fn clips to +-448 in float32 and then 
 even. :func:`dequantize` is the read rule ``code * scale``. The reference backend calls these
 functions, so the CUDA kernels and the tests have one definition to agree with.
 
+Scales are checked (:func:`check_scale`): a scale that is zero, negative, NaN, Inf, or so small that
+its float32 reciprocal overflows raises :class:`cupa.PagedAttentionError` naming the entry.
+
 NumPy is the tested path. Functions that take an array also accept CuPy arrays (they use the
 array's own module); CuPy has no float8 dtype, so float8 codes on CuPy are always raw e4m3 bytes
-(``uint8``).
+(``uint8``). The checks of scales and of :func:`compute_scale`'s data read a CuPy array's verdict
+back to the host (one synchronization per call).
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ from __future__ import annotations
 import numpy as np
 import ml_dtypes
 
-__all__ = ["rope_cache", "compute_scale", "quantize", "dequantize"]
+from .errors import fail
+
+__all__ = ["rope_cache", "compute_scale", "quantize", "dequantize", "check_scale"]
 
 _FP8_NAMES = ("float8e4m3fn", "float8_e4m3fn")
 _INT8_NAMES = ("int8",)
 FP8_MAX = 448.0
 INT8_MAX = 127.0
+#: the smallest normal float32: the least scale compute_scale returns (its reciprocal is finite)
+SCALE_MIN = float(np.finfo(np.float32).tiny)
 
 
 def _xp(x):
@@ -33,6 +41,41 @@ def _xp(x):
 
         return cupy
     return np
+
+
+def _host(x) -> np.ndarray:
+    """A NumPy view or copy of ``x`` (CuPy arrays are copied to the host)."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        return x.get()
+    return np.asarray(x)
+
+
+def _first(bad: np.ndarray) -> str:
+    """The index of the first True entry of ``bad``, as text."""
+    index = np.argwhere(bad)[0].tolist()
+    return str(index[0]) if len(index) == 1 else str(tuple(index))
+
+
+def check_scale(scale, name: str = "scale") -> None:
+    """Raise :class:`cupa.PagedAttentionError` unless every entry of ``scale`` is a usable scale.
+
+    A usable scale is positive and finite as float32, with a finite float32 reciprocal (at least
+    about 2.9e-39). Contract §4.4 calls a scale <= 0 or non-finite a contract violation; the write
+    rule, which multiplies by ``float32(1/scale)``, cannot apply a smaller one either.
+
+    Parameters
+    ----------
+    scale : array of float32, shape (1,) or (kv_num_heads, 1, head_size)
+    name : str, default "scale"
+        The input's name in the message (e.g. ``"k_scale"``).
+    """
+    s = _host(scale).astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        ok = np.isfinite(s) & (s > 0) & np.isfinite(np.float32(1) / s)
+    if not ok.all():
+        bad = ~ok
+        raise fail(name, f"{s[bad].flat[0]} at index {_first(bad)}",
+                   "positive, finite float32 scales whose reciprocal is finite (>= ~2.9e-39)")
 
 
 def _cache_kind(cache_dtype) -> str:
@@ -103,12 +146,21 @@ def compute_scale(x, quant_type: str, cache_dtype="int8"):
     Returns
     -------
     scale : float32 array, shape (1,) for PER_TENSOR or (kv_num_heads, 1, head_size) for PER_CHANNEL
-        ``max|x| / qmax``; a scale whose values are all zero is 1.0 (never 0).
+        ``max|x| / qmax``, always a scale :func:`check_scale` accepts: where every value it covers is
+        zero (all-zero or empty data) the scale is 1.0, and a positive ``max|x| / qmax`` below the
+        smallest normal float32 is raised to it (:data:`SCALE_MIN`, ~1.2e-38).
+
+    Raises
+    ------
+    PagedAttentionError
+        If ``x`` holds a NaN or an Inf (no scale maps it to a code); the message names its index.
     """
     xp = _xp(x)
     kind = _cache_kind(cache_dtype)
     qmax = _qmax(kind)
     a = xp.abs(xp.asarray(x).astype(xp.float64))
+    if a.size and not bool(xp.isfinite(a.max())):
+        raise fail("x", f"a non-finite value at index {_first(~np.isfinite(_host(a)))}", "finite K or V values")
     if quant_type == "PER_TENSOR":
         m = a.max().reshape(1) if a.size else xp.zeros(1, dtype=xp.float64)
     elif quant_type == "PER_CHANNEL":
@@ -120,8 +172,7 @@ def compute_scale(x, quant_type: str, cache_dtype="int8"):
         m = m.reshape(hk, 1, d)
     else:
         raise ValueError(f"quant_type: got {quant_type!r}; expected 'PER_TENSOR' or 'PER_CHANNEL'")
-    s = m / qmax
-    s = xp.where(s > 0, s, 1.0)
+    s = xp.where(m > 0, xp.maximum(m / qmax, SCALE_MIN), 1.0)
     return s.astype(xp.float32)
 
 
@@ -177,7 +228,9 @@ def quantize(x, scale, cache_dtype="int8", as_bytes: bool = False):
 
     ``code = saturate(round_half_even(float32(x) * float32(1/scale)))`` where ``float32(1/scale)`` is
     ``np.float32(1) / scale`` evaluated in float32 and the product is float32. int8 saturates to
-    [-128, 127]; float8 e4m3fn clips to +-448 in float32 and then rounds to nearest even.
+    [-128, 127]; float8 e4m3fn clips to +-448 in float32 and then rounds to nearest even. A value of
+    +-Inf saturates; NaN becomes the int8 code -128 (saturation by ``fmax``/``fmin``, as the CUDA
+    kernels do) or the float8 NaN code.
 
     Parameters
     ----------
@@ -194,15 +247,21 @@ def quantize(x, scale, cache_dtype="int8", as_bytes: bool = False):
     Returns
     -------
     codes : array shaped like ``x``: int8, ml_dtypes.float8_e4m3fn, or uint8 bytes
+
+    Raises
+    ------
+    PagedAttentionError
+        If a scale is zero, negative, NaN, Inf or too small for a finite reciprocal (:func:`check_scale`).
     """
     xp = _xp(x)
     kind = _cache_kind(cache_dtype)
     x = xp.asarray(x)
+    check_scale(scale)
     s = _broadcast_scale(scale, x.shape, xp)
     inv = (xp.float32(1) / s).astype(xp.float32)
     y = (x.astype(xp.float32) * inv).astype(xp.float32)
     if kind == "int8":
-        return xp.clip(xp.rint(y), -128, 127).astype(xp.int8)
+        return xp.fmin(xp.fmax(xp.rint(y), -128), 127).astype(xp.int8)
     y = xp.clip(y, -FP8_MAX, FP8_MAX).astype(xp.float32)
     if xp is np:
         codes = y.astype(ml_dtypes.float8_e4m3fn)
@@ -225,6 +284,11 @@ def dequantize(codes, scale, cache_dtype=None):
     Returns
     -------
     values : float32 array shaped like ``codes``
+
+    Raises
+    ------
+    PagedAttentionError
+        If a scale is zero, negative, NaN, Inf or too small for a finite reciprocal (:func:`check_scale`).
     """
     xp = _xp(codes)
     codes = xp.asarray(codes)
@@ -244,5 +308,6 @@ def dequantize(codes, scale, cache_dtype=None):
         vals = codes.astype(np.float32)
     else:
         raise ValueError(f"codes: got dtype {name}; expected int8, float8_e4m3fn or uint8 (e4m3 bytes)")
+    check_scale(scale)
     s = _broadcast_scale(scale, codes.shape, xp)
     return (vals.astype(xp.float32) * s).astype(xp.float32)

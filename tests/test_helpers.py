@@ -1,5 +1,8 @@
 """cupa.helpers: rope_cache, compute_scale, quantize (the write rule), dequantize (the read rule)."""
 
+import re
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -60,6 +63,93 @@ def test_compute_scale_all_zero_and_bad_type():
         cupa.compute_scale(np.ones((4, 2, 8)), "NONE")
     with pytest.raises(ValueError, match="cache_dtype"):
         cupa.compute_scale(np.ones((4, 2, 8)), "PER_TENSOR", "uint8")
+
+
+@pytest.mark.parametrize("qt", ["PER_TENSOR", "PER_CHANNEL"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_compute_scale_rejects_non_finite_data(rng, qt, bad):
+    x = rng.standard_normal((5, 2, 8)).astype(np.float32)
+    index = tuple(int(rng.integers(n)) for n in x.shape)
+    x[index] = bad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        expected = rf"^x: got a non-finite value at index {re.escape(str(index))}"
+        with pytest.raises(cupa.PagedAttentionError, match=expected):
+            cupa.compute_scale(x, qt)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8e4m3fn"])
+def test_compute_scale_is_always_usable(cache_dtype):
+    """All-zero data, empty data and data too small for a normal float32 scale: a scale check_scale
+    accepts (1.0, or the smallest normal float32), never 0 and never a warning."""
+    tiny = np.full((3, 2, 8), 1e-44, np.float32)          # float32 subnormals: max/qmax underflows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x in (np.zeros((4, 2, 8), np.float16), np.zeros((0, 2, 8), np.float32), tiny):
+            for qt in ("PER_TENSOR", "PER_CHANNEL"):
+                s = cupa.compute_scale(x, qt, cache_dtype)
+                helpers.check_scale(s)
+                codes = cupa.quantize(x, s, cache_dtype)
+                assert np.all(np.isfinite(cupa.dequantize(codes, s, cache_dtype)))
+        assert cupa.compute_scale(tiny, "PER_TENSOR", cache_dtype)[0] == np.float32(helpers.SCALE_MIN)
+        assert cupa.compute_scale(np.zeros((0, 2, 8)), "PER_CHANNEL", cache_dtype).shape == (2, 1, 8)
+
+
+BAD_SCALES = [0.0, -1.0, -0.0, np.nan, np.inf, -np.inf, 1e-40, 2e-39]
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES)
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_quantize_and_dequantize_reject_bad_scales(rng, bad, per_channel):
+    x = rng.standard_normal((3, 2, 8)).astype(np.float16)
+    s = (rng.uniform(0.01, 0.1, (2, 1, 8)) if per_channel else np.array([0.05])).astype(np.float32)
+    index = tuple(int(rng.integers(n)) for n in s.shape)
+    s[index] = bad
+    where = str(index[0]) if len(index) == 1 else str(index)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for cd in ("int8", "float8e4m3fn"):
+            with pytest.raises(cupa.PagedAttentionError, match=rf"^scale: got .* at index {re.escape(where)};"):
+                cupa.quantize(x, s, cd)
+        with pytest.raises(cupa.PagedAttentionError, match=r"^scale: got "):
+            cupa.dequantize(np.ones(x.shape, np.int8), s)
+        with pytest.raises(cupa.PagedAttentionError, match=r"^k_scale: got "):
+            helpers.check_scale(s, "k_scale")
+
+
+def test_smallest_usable_scale():
+    """The boundary of check_scale: a finite float32 reciprocal."""
+    helpers.check_scale(np.array([helpers.SCALE_MIN], np.float32))
+    helpers.check_scale(np.array([3e-39], np.float32))
+    with pytest.raises(cupa.PagedAttentionError):
+        helpers.check_scale(np.array([2.9e-39], np.float32))
+
+
+def test_quantize_non_finite_values():
+    """+-Inf saturates; NaN is the int8 code -128 (fmax/fmin saturation, as the kernels) or the fp8 NaN
+    code; no warning either way."""
+    x = np.array([np.inf, -np.inf, np.nan, 1.0], np.float32)
+    s = np.array([1.0], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(cupa.quantize(x, s, "int8"), [127, -128, -128, 1])
+        b = cupa.quantize(x, s, "float8e4m3fn", as_bytes=True)
+        assert b[0] == 0x7E and b[1] == 0xFE and (b[2] & 0x7F) == 0x7F and b[3] == 0x38
+        np.testing.assert_array_equal(helpers._fp8_bytes_from_f32(np.clip(x, -448, 448), np) & 0x7F, b & 0x7F)
+
+
+@pytest.mark.parametrize("cache", ["int8", "fp8_bytes"])
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+def test_reference_rejects_bad_scale_before_writing(rng, cache, which):
+    from tests import util
+
+    case = util.make_case(rng, cache=cache, k_quant="PER_CHANNEL", v_quant="PER_TENSOR")
+    case.inputs[which].flat[-1] = 0.0
+    before = case.copy()
+    with pytest.raises(cupa.PagedAttentionError, match=rf"^{which}: got 0.0 at index"):
+        case.run()
+    for name in ("key_cache", "value_cache"):
+        util.assert_cache_close(case.inputs[name], before.inputs[name], what=name)
 
 
 def test_scale_maps_max_to_qmax(rng):

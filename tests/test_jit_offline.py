@@ -267,9 +267,8 @@ def test_decode_trace_instrumentation_applies_and_compiles(tmp_path):
     text = (Path(src) / "decode_mma.cu").read_text()
     for i in range(len(trace_decode.EVENTS)):   # every event probed (the key-loop ones once per loop variant)
         assert f"cupa_trace_event({i});" in text
-    for cache, options in (("T", ()), ("int8", ("-DCUPA_MMA8_T=1",))):
-        spec = registry.decode_mma_spec("float16", cache, 128)
-        spec = jit.Specialization(spec.family, spec.name_expression, options)
+    for cache, keys_as_m in (("T", False), ("int8", True)):
+        spec = registry.decode_mma_spec("float16", cache, 128, 3, keys_as_m=keys_as_m)
         result = jit.compile_offline(spec, "sm_90", source_dir=src)
         assert result.ok, result.log
 

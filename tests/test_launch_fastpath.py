@@ -985,7 +985,7 @@ def test_gpu_programmatic_launch_is_on_where_the_device_has_it(gpu_cp, rng):
         from cupa import jit
         from cupa.kernels import registry
 
-        assert launch._compiled_for_pdl(jit.get_kernel(registry.decode_mma_spec("float16", "T", 128)))
+        assert launch._compiled_for_pdl(jit.get_kernel(registry.decode_mma_spec("float16", "T", 128, 3)))
     inputs, attrs = gc.build(rng, B=5, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500, 0], rotary=True)
     on = _device_run(cp, inputs, attrs, mode="fast", out=True, md=[1, 4096])
     off = _device_run(cp, inputs, attrs, mode="fast", out=True, md=[1, 4096], programmatic_launch=False)

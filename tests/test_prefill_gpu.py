@@ -110,25 +110,20 @@ def test_prologue_several_tokens_per_cta(cp, rng, variant):
 
 
 @pytest.mark.parametrize("variant", ["plain", "rotary_slot_skip"])
-def test_prologue_plain_copies_in_many_passes(cp, rng, monkeypatch, variant):
-    """The prologue built with one 16-byte chunk per thread and pass (-DCUPA_PROLOGUE_U=1): the copy
-    loop's later passes (loads after the lookup) on grouped tokens, checked like every case."""
-    from cupa import jit
-    from cupa.kernels import registry
-
-    base = registry.prologue_spec
-
-    def one_chunk(dtype, cache_kind, token_loop=False):
-        spec = base(dtype, cache_kind, token_loop)
-        return jit.Specialization(spec.family, spec.name_expression, ("-DCUPA_PROLOGUE_U=1",))
-
+def test_prologue_plain_copies_in_many_passes(cp, rng, variant):
+    """Grouped tokens whose plain rows take several passes of the prologue's copy loop (a warp copies a
+    token's chunks 8 per lane and pass: PROLOGUE_U in prologue.cu): the later passes' loads come
+    after the token lookup. Checked like every case."""
     from cupa.kernels import launch, prologue
 
-    monkeypatch.setattr(registry, "prologue_spec", one_chunk)
-    # MHA 8/8, D=128: 16 (or 8) plain rows of 16 chunks per token, 2 tokens per CTA -> several passes
-    kw = dict(q_lens=[280] * 9 + [0, 290], past=[0, 5, 40, 0, 300, 7, 0, 16, 1, 3, 0], H=8, Hk=8, D=128)
+    # MHA 24/24, D=128: 48 (plain) or 24 (rotary) rows of 16 chunks per token = 3 or 2 passes of
+    # 32 lanes x 8 chunks; 2 tokens per CTA
+    H = Hk = 24
+    kw = dict(q_lens=[280] * 9 + [0, 290], past=[0, 5, 40, 0, 300, 7, 0, 16, 1, 3, 0], H=H, Hk=Hk, D=128)
     if variant == "rotary_slot_skip":
         kw.update(rotary=True)
+    plain_rows = Hk if variant == "rotary_slot_skip" else 2 * Hk
+    assert plain_rows * 128 * 2 // 16 > 8 * 32
     inputs, attrs = gc.build(rng, **kw)
     if variant == "rotary_slot_skip":
         slots = gc.derived_slots(inputs, 16)

@@ -85,12 +85,28 @@ MATRIX = [
 
 @pytest.mark.parametrize("opts", [m[1] for m in MATRIX], ids=[m[0] for m in MATRIX])
 def test_reference_matches_dense(rng, opts):
+    """Output, output_qk, lse and the written caches against the dense oracle; lse is asked for
+    together with output_qk where the case has it (outputs come back as (output, output_qk, lse))."""
     case = util.make_case(rng, **opts)
     dense = util.dense_attention(case)
-    result = case.run()
-    util.check_against_dense(case, result, dense)
-    out = result[0] if isinstance(result, tuple) else result
-    assert np.abs(out.astype(np.float32)).max() > 0
+    result = case.run(return_lse=True)
+    assert len(result) == (3 if case.attrs.get("qk_output", 0) else 2)
+    util.check_against_dense(case, result, dense, return_lse=True)
+    assert np.abs(result[0].astype(np.float32)).max() > 0
+    assert np.isfinite(result[-1]).any()
+
+
+@pytest.mark.parametrize("name", ["gqa2-d64", "qk1", "latent", "sink-window"])
+def test_return_lse_changes_nothing_else(rng, name):
+    """return_lse adds an output and leaves the others (and the cache writes) bit for bit."""
+    case = util.make_case(rng, **dict(MATRIX)[name])
+    other = case.copy()
+    plain, with_lse = case.run(), other.run(return_lse=True)
+    plain = plain if isinstance(plain, tuple) else (plain,)
+    assert len(with_lse) == len(plain) + 1
+    for a, b in zip(plain, with_lse):
+        np.testing.assert_array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
+    util.assert_cache_close(case.inputs["key_cache"], other.inputs["key_cache"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -148,18 +164,21 @@ def test_random_feature_combinations(rng):
     for _ in range(12):
         opts = _random_options(rng)
         case = util.make_case(rng, **opts)
+        return_lse = bool(rng.integers(2))
         try:
             dense = util.dense_attention(case)
-            util.check_against_dense(case, case.run(), dense)
+            util.check_against_dense(case, case.run(return_lse=return_lse), dense, return_lse=return_lse)
         except AssertionError as exc:
-            raise AssertionError(f"options {opts}: {exc}") from exc
+            raise AssertionError(f"options {opts}, return_lse={return_lse}: {exc}") from exc
 
 
-@pytest.mark.parametrize("budget,group", [(3000, 2), (50000, 3), (1, 1)])
-def test_chunking_paths(rng, monkeypatch, budget, group):
-    """Tiny chunk budgets and group thresholds exercise every split of the grid paths."""
-    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", budget)
-    monkeypatch.setattr(reference, "GROUP_MIN_TOKENS", group)
+@pytest.mark.parametrize("scores,tile", [(3000, 700), (50000, 64), (1, 1), (1 << 23, 1 << 30)])
+def test_chunking_paths(rng, monkeypatch, scores, tile):
+    """Tiny score and tile budgets exercise every split: rows of one token, one key per tile,
+    packed grids, long rows alone; a huge tile packs every row into one grid."""
+    monkeypatch.setattr(reference, "SCORE_ELEMENTS", scores)
+    monkeypatch.setattr(reference, "TILE_ELEMENTS", tile)
+    monkeypatch.setattr(reference, "PROLOGUE_ELEMENTS", max(1, scores // 8))
     case = util.make_case(rng, q_lens=(11, 1, 2, 0, 3, 9), past=(4, 20, 0, 7, 33, 0), rotary="half",
                           sink=True, bias=(False, False), qk_output=1, window=int(rng.choice([-1, 4])))
     util.check_against_dense(case, case.run(), util.dense_attention(case))
@@ -304,6 +323,23 @@ def test_token_count_zero(rng, qk_output):
         assert result[1].shape == (4, 0, MB * 16) and result[1].dtype == np.float32
     util.assert_cache_close(case.inputs["key_cache"], before.inputs["key_cache"])
     util.assert_cache_close(case.inputs["value_cache"], before.inputs["value_cache"])
+
+
+@pytest.mark.parametrize("cache", ["T", "int8", "fp8_bytes"])
+@pytest.mark.parametrize("slots", [None, "derived"])
+def test_empty_cache(rng, cache, slots):
+    """num_blocks == 0 is valid (contract §4.4): nothing is written, every token outputs zeros, output_qk
+    is zero and lse is -inf."""
+    case = util.make_case(rng, q_lens=(3, 0, 2), past=(4, 2, 0), cache=cache, sink=True, qk_output=1,
+                          slot_mapping=slots)
+    for name in ("key_cache", "value_cache"):
+        c = case.inputs[name]
+        case.inputs[name] = np.empty((0,) + c.shape[1:], c.dtype)
+    case.inputs["block_table"][...] = -1
+    out = np.full((case.token_count, 4 * 64), np.nan, np.float16)
+    result = case.run(return_lse=True, out=out)
+    assert result[0] is out and np.all(out.astype(np.float32) == 0)
+    assert np.all(result[1] == 0) and np.all(np.isneginf(result[2]))
 
 
 def test_out_parameter(rng):

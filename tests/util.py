@@ -6,7 +6,7 @@
   of contract §1-§4. GPU tests convert ``case.inputs`` with :meth:`Case.converted`.
 * :func:`dense_attention` is a plain per-token float64 implementation of the contract written
   independently of ``cupa/reference.py`` (loops, small sizes only). It returns the expected output,
-  output_qk and the caches after the call.
+  output_qk, lse and the caches after the call, and which cache slots each token wrote and admitted.
 * :func:`rel_err`, :func:`assert_rel`, :func:`assert_within_ulp`, :func:`assert_cache_close` compare
   results with the tolerances of contract §6.
 """
@@ -281,7 +281,9 @@ class DenseResult:
     value_cache: Optional[np.ndarray]
     written: np.ndarray            # (N,) bool: the token wrote its K/V
     valid: np.ndarray              # (N,) bool: the token belongs to a valid sequence and is itself valid
-    lse: Optional[np.ndarray] = None  # (N, H) float64: ln sum exp(score) over admitted keys, sink left out
+    lse: np.ndarray = None         # (N, H) float64: log of sum(exp(score)) over admitted keys, sink left out
+    slot: np.ndarray = None        # (N,) int64: the flat cache slot the token wrote, -1 if none
+    admitted: list = None          # per token, the set of flat cache slots of the keys it admits
 
 
 def _quantize_plain(x_T, scale, kind):
@@ -432,6 +434,7 @@ def dense_attention(case: Case) -> DenseResult:
 
     # --- writes (all before any read) ---
     written = np.zeros(N, dtype=bool)
+    slot_of = np.full(N, -1, dtype=np.int64)
     for t, info in enumerate(toks):
         if not info["valid"]:
             continue
@@ -448,6 +451,7 @@ def dense_attention(case: Case) -> DenseResult:
                 continue
             slot = blk * bs + info["p"] % bs
         written[t] = True
+        slot_of[t] = slot
         for h in range(Hk):
             kc[slot // bs, slot % bs, h] = encode(info["k"][h], "k_scale", h)
             if not latent:
@@ -455,8 +459,9 @@ def dense_attention(case: Case) -> DenseResult:
 
     # --- reads ---
     out = np.zeros((N, H, Dv))
-    lse = np.full((N, H), -np.inf)
     qk = np.zeros((H, N, kvcap)) if qk_mode else None
+    lse = np.full((N, H), -np.inf)
+    admitted = [set() for _ in range(N)]
     bias = inp["attention_bias"]
     sink = inp["head_sink"]
     for t, info in enumerate(toks):
@@ -475,6 +480,7 @@ def dense_attention(case: Case) -> DenseResult:
             if bias is not None and (j >= bias.shape[2] or k >= bias.shape[3]):
                 continue
             kpos.append(k)
+            admitted[t].add(blk * bs + k % bs)
             keys.append([decode(kc[blk, k % bs, h], "k_scale", h, D) for h in range(Hk)])
             if latent:
                 vals.append([decode(kc[blk, k % bs, 0], "k_scale", 0, Dv)])
@@ -491,8 +497,9 @@ def dense_attention(case: Case) -> DenseResult:
                 s = s + np.array([float(bias[bb, hb, j, k]) for k in kpos])
             if softcap > 0:
                 s = softcap * np.tanh(s / softcap)
+            top = s.max()
+            lse[t, h] = top + math.log(float(np.sum(np.exp(s - top)))) if np.isfinite(top) else top
             m = s.max()
-            lse[t, h] = m + math.log(float(np.exp(s - m).sum()))
             if sink is not None:
                 m = max(m, float(sink[h]))
             e = np.exp(s - m)
@@ -504,7 +511,7 @@ def dense_attention(case: Case) -> DenseResult:
                     if k < kvcap:
                         qk[h, t, k] = s[i] if qk_mode == 1 else prob[i]
     valid = np.array([i["valid"] for i in toks], dtype=bool)
-    return DenseResult(out.reshape(N, H * Dv), qk, kc, vc, written, valid, lse)
+    return DenseResult(out.reshape(N, H * Dv), qk, kc, vc, written, valid, lse, slot_of, admitted)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -590,15 +597,40 @@ def assert_cache_close(actual, expected, steps=0, what="cache", max_frac=1.0):
     assert ndiff <= max(1, max_frac * a.size), f"{what}: {ndiff} of {a.size} elements differ (by at most {steps} step)"
 
 
-def check_against_dense(case: Case, result, dense: DenseResult, *, caches_after: Case = None):
-    """Compare a reference/backend result (output or (output, output_qk)) and the caches with dense."""
+def split_result(result, qk_output=0, return_lse=False):
+    """(output, output_qk or None, lse or None) from what paged_attention returned."""
+    if not isinstance(result, tuple):
+        return result, None, None
+    out, rest = result[0], list(result[1:])
+    qk = rest.pop(0) if qk_output else None
+    lse = rest.pop(0) if return_lse else None
+    assert not rest, f"{len(result)} outputs for qk_output={qk_output}, return_lse={return_lse}"
+    return out, qk, lse
+
+
+def assert_lse_close(lse, expected, what="lse"):
+    """lse (float32) against a float64 expectation: float32 rounding, -inf exactly where expected."""
+    lse = np.asarray(lse)
+    assert lse.dtype == np.float32 and lse.shape == expected.shape, f"{what}: {lse.dtype} {lse.shape}"
+    none = np.isneginf(expected)
+    assert np.array_equal(np.isneginf(lse), none), f"{what}: -inf where no key is admitted, and only there"
+    np.testing.assert_allclose(lse[~none].astype(np.float64), expected[~none], rtol=1e-6, atol=1e-6,
+                               err_msg=what)
+
+
+def check_against_dense(case: Case, result, dense: DenseResult, *, caches_after: Case = None,
+                        return_lse: bool = False):
+    """Compare a reference/backend result (output, plus output_qk and lse as asked) and the caches
+    with dense."""
     dt = case.dtype
-    out, qk = (result if isinstance(result, tuple) else (result, None))
+    out, qk, lse = split_result(result, case.attrs.get("qk_output", 0), return_lse)
     assert out.dtype == T_DTYPES[dt]
     assert_within_ulp(out, dense.output, dt, what="output")
     if dense.output_qk is not None:
         assert qk is not None and qk.dtype == np.float32 and qk.shape == dense.output_qk.shape
         np.testing.assert_allclose(qk.astype(np.float64), dense.output_qk, rtol=2e-6, atol=1e-6)
+    if return_lse:
+        assert_lse_close(lse, dense.lse)
     src = caches_after if caches_after is not None else case
     # float64 implementations may land on opposite sides of a rounding boundary very rarely
     assert_cache_close(src.inputs["key_cache"], dense.key_cache, steps=1, max_frac=1e-3, what="key_cache")

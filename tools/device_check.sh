@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks the tree on a GPU machine: tools/device_check.sh [step ...]
-# Steps (default: suite): suite (every GPU test), quick (GPU tests not marked slow), fuzz (the 2000-
+# Steps (default: warm suite): warm (compile every specialization into the kernel caches, 16 processes),
+# suite (every GPU test), quick (GPU tests not marked slow), fuzz (the 2000-
 # configuration differential fuzz), sanitize (compute-sanitizer memcheck on every malformed-input class,
 # racecheck and synccheck on the warp-specialized prefill), bench (the benchmark command, quick).
 # Logs go to $OUT (or ./device_logs); each step prints a one-line summary last.
@@ -9,14 +10,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-device_logs}
 mkdir -p "$out"
-[ $# -gt 0 ] || set -- suite
+[ $# -gt 0 ] || set -- warm suite
+timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-240}")
 status=0
 for step in "$@"; do
   start=$(date +%s)
   case $step in
-    suite) python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$out/suite.log" 2>&1; rc=$?
+    warm) python3 -m cupa.compile --warm --jobs "${JOBS:-16}" > "$out/warm.log" 2>&1; rc=$?
+          line=$(tail -n 1 "$out/warm.log") ;;
+    suite) python3 -m pytest -q -m gpu -p no:cacheprovider $timeout_opt ${SUITE_ARGS:-} tests > "$out/suite.log" 2>&1; rc=$?
            line=$(tail -n 1 "$out/suite.log") ;;
-    quick) python3 -m pytest -q -m "gpu and not slow" -p no:cacheprovider tests > "$out/quick.log" 2>&1; rc=$?
+    quick) python3 -m pytest -q -m "gpu and not slow" -p no:cacheprovider $timeout_opt ${SUITE_ARGS:-} tests \
+             > "$out/quick.log" 2>&1; rc=$?
            line=$(tail -n 1 "$out/quick.log") ;;
     fuzz) python3 -m tests.fuzz --n "${FUZZ_N:-2000}" --out "$out/fuzz.json" > "$out/fuzz.log" 2>&1; rc=$?
           line=$(grep '^summary' "$out/fuzz.log" | tail -n 1) ;;

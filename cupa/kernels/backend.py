@@ -23,6 +23,21 @@ FEATURES = {
 }
 
 
+#: Shared memory the driver reserves per resident CTA on compute capability 8.0 and newer (bytes).
+CTA_RESERVED_SHARED = 1024
+
+
+def ctas_per_sm(shared_bytes: int, device: DeviceInfo) -> int:
+    """How many CTAs using ``shared_bytes`` of shared memory (static plus dynamic) fit one SM at once."""
+    return device.shared_per_sm // (shared_bytes + CTA_RESERVED_SHARED)
+
+
+def shared_reason(kernel: str, need: int, device: DeviceInfo) -> str:
+    """The reason to decline when no variant of ``kernel`` fits the device's shared memory per CTA."""
+    return (f"{kernel} needs {need} B of shared memory per CTA; {device.name} allows "
+            f"{device.shared_per_block_optin} B")
+
+
 def features_of(problem: Problem) -> list:
     """The :data:`FEATURES` a call uses."""
     used = []

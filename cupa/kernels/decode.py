@@ -10,13 +10,14 @@ no admitted key exits after reading its token's lengths.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from .. import jit
 from ..contract import Problem
 from ..device import DeviceInfo
 from ..options import Options
 from . import launch, registry, types
-from .backend import CudaBackend
+from .backend import CudaBackend, ctas_per_sm, shared_reason
 from .launch import POINTER
 from .prologue import POINTER_INPUTS, prologue_launcher, q_passthrough
 from .types import f32, i32
@@ -26,6 +27,8 @@ MIN_CHUNK = 256
 MMA_ROWS = 16  # query heads per tensor-core CTA (the m16n8k16 tile's rows)
 MMA_HEAD_SIZES = (64, 128)
 MMA_MAX_ROWS = (1 << 32) - 1  # cache rows the tensor-core kernel can index (decode_mma.cu NO_ROW)
+MMA_STAGES = (3, 2)  # pipeline depths of paged_decode_mma (STAGES), deepest first
+MMA_WARPS, MMA_KEY_TILE = 4, 64
 
 
 def uses_mma(problem: Problem) -> bool:
@@ -53,15 +56,29 @@ def heads_per_cta(problem: Problem, options: Options) -> int:
     return types.head_chunk(problem.group_size)
 
 
-def mma_shared_bytes(problem: Problem) -> int:
-    """Dynamic shared memory of paged_decode_mma (mirrors MmaDecodeSmem in decode_mma.cu)."""
-    D, quant = problem.head_size, problem.quantized
-    code = 1 if quant else 2
-    stages = 3
+def mma_shared_bytes(head_size: int, quantized: bool, stages: int) -> int:
+    """Dynamic shared memory of paged_decode_mma (mirrors MmaDecodeSmem in decode_mma.cu; the kernel has
+    no static shared memory): Q, then ``stages`` K/V tiles of 64 keys and the row indices of stages + 1
+    tiles; after the key loop, the warps' m and l and their o rows (padded to D + 4 floats)."""
+    D = head_size
     q_bytes = MMA_ROWS * D * 2
-    loop = q_bytes + stages * 2 * 64 * D * code + (stages + 1) * 64 * 4
-    combine = 4 * MMA_ROWS * (D + 4) * 4
-    return max(loop, combine + q_bytes)
+    loop = q_bytes + stages * 2 * MMA_KEY_TILE * D * (1 if quantized else 2) + (stages + 1) * MMA_KEY_TILE * 4
+    combine = 2 * MMA_WARPS * MMA_ROWS * 4 + MMA_WARPS * MMA_ROWS * (D + 4) * 4
+    return max(loop, q_bytes + combine)
+
+
+def mma_stages(head_size: int, quantized: bool, device: DeviceInfo, ctas_target: int) -> Optional[int]:
+    """The pipeline depth of paged_decode_mma on ``device``: the deepest of :data:`MMA_STAGES` that fits a
+    CTA and keeps ``ctas_target`` CTAs per SM (the split plan's aim, ``Options._tuning.decode_ctas_per_sm``),
+    else the one of them that fits the most CTAs per SM; None when none fits a CTA (the backend declines)."""
+    D = head_size
+    fits = [s for s in MMA_STAGES if mma_shared_bytes(D, quantized, s) <= device.shared_per_block_optin]
+    if not fits:
+        return None
+    for s in fits:
+        if ctas_per_sm(mma_shared_bytes(D, quantized, s), device) >= ctas_target:
+            return s
+    return max(fits, key=lambda s: (ctas_per_sm(mma_shared_bytes(D, quantized, s), device), s))
 
 
 def split_plan(problem: Problem, sm_count: int, options: Options) -> tuple:
@@ -85,6 +102,9 @@ class DecodeBackend(CudaBackend):
         reasons = []
         if problem.head_size > 256:
             reasons.append(f"head_size {problem.head_size} > 256")
+        elif uses_mma(problem) and self._stages(problem, device, options) is None:
+            need = mma_shared_bytes(problem.head_size, problem.quantized, MMA_STAGES[-1])
+            reasons.append(shared_reason("paged_decode_mma", need, device))
         return reasons
 
     def preferred(self, problem: Problem, device: DeviceInfo, options: Options) -> bool:
@@ -97,8 +117,14 @@ class DecodeBackend(CudaBackend):
         engine = "tensor cores (mma.sync m16n8k16)" if uses_mma(problem) else "CUDA cores"
         if uses_keys_as_m(problem, options):
             engine += ", keys as M"
+        if uses_mma(problem):
+            engine += f", a {self._stages(problem, device, options)}-stage K/V pipeline"
         return (f"paged flash-decoding on {engine}: one CTA per (token, KV head, {heads}-head chunk, split); "
                 f"{splits} split(s) of {chunk} key positions; fused prologue first")
+
+    @staticmethod
+    def _stages(p: Problem, device: DeviceInfo, options: Options) -> Optional[int]:
+        return mma_stages(p.head_size, p.quantized, device, options._tuning.decode_ctas_per_sm)
 
     def specializations(self) -> list:
         specs = []
@@ -108,9 +134,11 @@ class DecodeBackend(CudaBackend):
                 specs.extend(registry.decode_spec(dtype, kind, heads) for heads in types.HEAD_CHUNKS)
         for dtype in ("float16", "bfloat16"):
             for kind in types.CACHE_CXX:
-                specs.extend(registry.decode_mma_spec(dtype, kind, d) for d in MMA_HEAD_SIZES)
-                if kind != "T":
-                    specs.extend(registry.decode_mma_spec(dtype, kind, d, keys_as_m=True) for d in MMA_HEAD_SIZES)
+                for stages in MMA_STAGES:
+                    specs.extend(registry.decode_mma_spec(dtype, kind, d, stages) for d in MMA_HEAD_SIZES)
+                    if kind != "T":
+                        specs.extend(registry.decode_mma_spec(dtype, kind, d, stages, keys_as_m=True)
+                                     for d in MMA_HEAD_SIZES)
         return specs
 
     def run(self, plan, inputs: dict, out=None, stream=None):
@@ -163,9 +191,11 @@ class DecodeBackend(CudaBackend):
             i32(types.QUANT_CODE[p.v_quant]), i32(passthrough))
         grid = (p.token_count, p.kv_num_heads * head_chunks, num_splits)
         if uses_mma(p):
-            spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size, keys_as_m=uses_keys_as_m(p, options))
+            stages = self._stages(p, device, options)
+            spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size, stages,
+                                            keys_as_m=uses_keys_as_m(p, options))
             kernel = jit.get_kernel(spec)
-            shared = mma_shared_bytes(p)
+            shared = mma_shared_bytes(p.head_size, p.quantized, stages)
             launch.ensure_shared_memory(kernel, shared)
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + tail, shared_mem=shared)
         else:

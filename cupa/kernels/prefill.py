@@ -16,6 +16,7 @@ not needed to size anything: results are the same bits with or without it.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from .. import jit
 from ..contract import Problem
@@ -23,54 +24,68 @@ from ..device import DeviceInfo
 from ..errors import fail
 from ..options import Options
 from . import launch, registry, types
-from .backend import CudaBackend
+from .backend import CudaBackend, ctas_per_sm, shared_reason
 from .launch import POINTER
 from .prologue import POINTER_INPUTS, prologue_launcher, q_passthrough
 from .types import f32, i32
 
 PREFILL_DTYPES = ("float16", "bfloat16")
 PREFILL_HEAD_SIZES = (64, 128, 256)
-#: head_size -> (warps per CTA, m16 tiles per warp, keys per shared-memory tile, cp.async stages);
-#: mirrors PrefillConfig in prefill.cu. A CTA owns 16 * m_tiles * warps query rows.
-TILE_CONFIG = {64: (4, 2, 64, 3), 128: (4, 2, 64, 2), 256: (8, 1, 32, 2)}
+#: (head_size, query rows, keys) of a CTA's tile -> (warps, m16 tiles per warp, cp.async stages, CTAs per SM
+#: the registers are sized for); mirrors PrefillConfig in prefill.cu (rows = 16 * m_tiles * warps).
+TILE_CONFIG = {(64, 128, 64): (4, 2, 3, 2), (128, 128, 64): (4, 2, 2, 2), (128, 128, 32): (4, 2, 2, 2),
+               (256, 128, 32): (8, 1, 2, 1), (256, 64, 32): (4, 1, 2, 1)}
+#: head_size -> its (rows, keys) tiles, the default first, then compact tiles for less shared memory.
+TILES = {64: ((128, 64),), 128: ((128, 64), (128, 32)), 256: ((128, 32), (64, 32))}
 MAX_GRID_X = (1 << 31) - 1
 
 
-def rows_per_cta(head_size: int) -> int:
-    warps, m_tiles, _, _ = TILE_CONFIG[head_size]
-    return 16 * m_tiles * warps
-
-
-def threads_per_cta(head_size: int) -> int:
-    return 32 * TILE_CONFIG[head_size][0]
-
-
-def shared_bytes(problem: Problem) -> int:
-    """Dynamic shared memory of paged_prefill (mirrors PrefillSmem in prefill.cu)."""
-    D = problem.head_size
-    _, _, keys, stages = TILE_CONFIG[D]
-    code = 1 if problem.quantized else 2
-    q_bytes = rows_per_cta(D) * D * 2
-    stage = 2 * keys * D * code
-    wide = 2 * keys * D * 2 if problem.quantized else 0
-    rows = (stages + 1) * keys * 8  # byte offsets of the rows of a tile, one tile ahead
+def shared_bytes(head_size: int, quantized: bool, tile: tuple) -> int:
+    """Dynamic shared memory of paged_prefill with ``tile`` (mirrors PrefillSmem in prefill.cu)."""
+    D, (rows, keys) = head_size, tile
+    stages = TILE_CONFIG[(D, rows, keys)][2]
+    q_bytes = rows * D * 2
+    stage = 2 * keys * D * (1 if quantized else 2)
+    wide = 2 * keys * D * 2 if quantized else 0
+    row_offsets = (stages + 1) * keys * 8  # byte offsets of the rows of a tile, one tile ahead
     sizes = (stages + 1) * keys * 4  # their copy sizes (16, or 0 for masked keys)
     mapped = (stages + 1) * (keys // 32) * 4
     align_pad = 128  # the kernel rounds the dynamic region up to a 128-byte boundary
-    return q_bytes + stages * stage + wide + rows + sizes + mapped + align_pad
+    return q_bytes + stages * stage + wide + row_offsets + sizes + mapped + align_pad
 
 
-def launch_plan(problem: Problem) -> dict:
-    """Grid of one call, from static sizes only (never attention_metadata or device data)."""
+def static_shared_bound(head_size: int, tile: tuple) -> int:
+    """An upper bound of paged_prefill's static shared memory (ptxas's figure; tests check it): per row
+    its token, head and range (16 B); per warp the range arrays of every cache kind and the zero pass's
+    flags (160 B); the new-key record and alignment (64 B)."""
+    rows, keys = tile
+    warps = TILE_CONFIG[(head_size, rows, keys)][0]
+    return 16 * rows + 160 * warps + 64
+
+
+def tile_for(head_size: int, quantized: bool, device: DeviceInfo) -> Optional[tuple]:
+    """The (rows, keys) tile of paged_prefill on ``device``: the first of :data:`TILES` that fits a CTA
+    (static plus dynamic shared memory) with the CTAs per SM its registers are sized for, else the first
+    that fits a CTA; None when none fits (the backend declines)."""
+    tiles = TILES.get(head_size, ())
+    need = {t: shared_bytes(head_size, quantized, t) + static_shared_bound(head_size, t) for t in tiles}
+    fits = [t for t in tiles if need[t] <= device.shared_per_block_optin]
+    for t in fits:
+        if ctas_per_sm(need[t], device) >= TILE_CONFIG[(head_size,) + t][3]:
+            return t
+    return fits[0] if fits else None
+
+
+def launch_plan(problem: Problem, tile: tuple) -> dict:
+    """Grid of one call with ``tile``, from static sizes only (never attention_metadata or device data)."""
     p = problem
-    D = p.head_size
-    rows = rows_per_cta(D)
-    threads = threads_per_cta(D)
+    rows, keys = tile
+    warps, _, stages, _ = TILE_CONFIG[(p.head_size, rows, keys)]
+    threads = 32 * warps
     num_tiles = (p.token_count * p.group_size) // rows + p.batch_size
     zero_ctas = math.ceil(p.token_count / threads)  # one thread per token checks its ownership
     return {"rows": rows, "threads": threads, "num_tiles": num_tiles, "zero_ctas": zero_ctas,
-            "grid": zero_ctas + num_tiles * p.kv_num_heads,
-            "keys": TILE_CONFIG[D][2], "stages": TILE_CONFIG[D][3]}
+            "grid": zero_ctas + num_tiles * p.kv_num_heads, "keys": keys, "stages": stages, "tile": tile}
 
 
 def kv_from_inputs(problem: Problem, options: Options) -> bool:
@@ -122,8 +137,12 @@ class PrefillBackend(CudaBackend):
             reasons.append(f"T={p.dtype}: the tensor-core prefill takes float16 or bfloat16")
         if p.head_size not in PREFILL_HEAD_SIZES:
             reasons.append(f"head_size {p.head_size} not in {PREFILL_HEAD_SIZES}")
-        elif not reasons and launch_plan(p)["grid"] > MAX_GRID_X:
-            reasons.append(f"{launch_plan(p)['grid']} CTAs exceed one launch's grid ({MAX_GRID_X})")
+        elif (tile := tile_for(p.head_size, p.quantized, device)) is None:
+            t = TILES[p.head_size][-1]
+            need = shared_bytes(p.head_size, p.quantized, t) + static_shared_bound(p.head_size, t)
+            reasons.append(shared_reason("paged_prefill", need, device))
+        elif not reasons and launch_plan(p, tile)["grid"] > MAX_GRID_X:
+            reasons.append(f"{launch_plan(p, tile)['grid']} CTAs exceed one launch's grid ({MAX_GRID_X})")
         return reasons
 
     def preferred(self, problem: Problem, device: DeviceInfo = None, options: Options = None) -> bool:
@@ -135,11 +154,11 @@ class PrefillBackend(CudaBackend):
         for dtype in PREFILL_DTYPES:
             specs.append(registry.prologue_spec(dtype, "T", token_loop=True))
             for kind in types.CACHE_CXX:
-                specs.extend(registry.prefill_spec(dtype, kind, d) for d in PREFILL_HEAD_SIZES)
+                specs.extend(registry.prefill_spec(dtype, kind, d, tile) for d in PREFILL_HEAD_SIZES for tile in TILES[d])
         return specs
 
     def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
-        plan = launch_plan(problem)
+        plan = self._plan(problem, device, options)
         return (f"paged prefill on tensor cores (mma.sync m16n8k16): one CTA per (tile of {plan['rows']} "
                 f"(token, group head) rows of one sequence, KV head); {plan['num_tiles']} row tiles x "
                 f"{problem.kv_num_heads} KV heads + {plan['zero_ctas']} zero-pass CTA(s); keys in tiles of "
@@ -167,15 +186,15 @@ class PrefillBackend(CudaBackend):
                        r.maps(call.ptrs) if r.maps is not None else ())
         return call.finish()
 
-    # The kernel, launch plan and shared memory of a call: the wgmma backend swaps these.
-    def _spec(self, p: Problem):
-        return registry.prefill_spec(p.dtype, p.cache_kind, p.head_size)
+    # The kernel, launch plan and shared memory of a call on a device: the wgmma backend swaps these.
+    def _spec(self, p: Problem, device: DeviceInfo):
+        return registry.prefill_spec(p.dtype, p.cache_kind, p.head_size, tile_for(p.head_size, p.quantized, device))
 
     def _plan(self, p: Problem, device: DeviceInfo, options: Options) -> dict:
-        return launch_plan(p)
+        return launch_plan(p, tile_for(p.head_size, p.quantized, device))
 
-    def _shared_bytes(self, p: Problem) -> int:
-        return shared_bytes(p)
+    def _shared_bytes(self, p: Problem, device: DeviceInfo) -> int:
+        return shared_bytes(p.head_size, p.quantized, tile_for(p.head_size, p.quantized, device))
 
     def _tail_args(self, p: Problem, options: Options) -> tuple:
         """Arguments the attention kernel takes after the common list (none here)."""
@@ -194,8 +213,8 @@ class PrefillBackend(CudaBackend):
         p, device, options = plan_.problem, plan_.device, plan_.options
         a = p.attrs
         plan = self._plan(p, device, options)
-        kernel = jit.get_kernel(self._spec(p))
-        shared = self._shared_bytes(p)
+        kernel = jit.get_kernel(self._spec(p, device))
+        shared = self._shared_bytes(p, device)
         launch.ensure_shared_memory(kernel, shared)
         args = (POINTER,) * len(_ATTEND_POINTERS) + (
             i32(p.token_count), i32(p.num_heads), i32(p.kv_num_heads), i32(p.batch_size), i32(p.num_blocks),

@@ -28,6 +28,7 @@ from ..contract import Problem
 from ..device import DeviceInfo
 from ..options import Options
 from . import launch, registry, tma
+from .backend import shared_reason
 from .prefill import MAX_GRID_X, PrefillBackend, kv_from_inputs, prologue_phrase
 from .types import i32
 
@@ -36,6 +37,11 @@ WGMMA_HEAD_SIZES = (128,)
 CAPABILITY = (9, 0)
 #: mirrors WsPrefillConfig / WsPrefillSmem in prefill_wgmma_ws.cu
 ROWS, THREADS, KEYS, STAGES, QBUFS = 128, 512, 128, 2, 2
+#: An upper bound of the kernel's static shared memory (per Q buffer its rows' tokens, heads and ranges, the
+#: work item, the mbarriers, the copiers' row indices; ptxas's figure is checked against it by a test).
+STATIC_SHARED_BOUND = 8192
+#: Cache slots (num_blocks * block_size) the kernel can index: its row arithmetic is 32-bit.
+MAX_SLOTS = (1 << 31) - 1
 #: Keys per copier warp: the largest TMA box of cache rows, and the box of new key / value rows.
 WARP_KEYS = 32
 #: Smallest TMA box of cache rows: the kernel's box destinations (box-aligned rows of 128 bytes) stay
@@ -106,6 +112,12 @@ class PrefillWgmmaBackend(PrefillBackend):
         if device.capability != CAPABILITY:
             reasons.append(f"needs compute capability 9.0 (sm_90a wgmma); the device has "
                            f"{device.capability[0]}.{device.capability[1]}")
+        if p.num_blocks * p.block_size > MAX_SLOTS:
+            reasons.append(f"{p.num_blocks * p.block_size} cache slots: the wgmma prefill indexes cache rows in 32 "
+                           f"bits (at most {MAX_SLOTS} slots; the mma.sync prefill serves larger caches)")
+        need = shared_bytes(p) + STATIC_SHARED_BOUND
+        if not reasons and need > device.shared_per_block_optin:
+            reasons.append(shared_reason("paged_prefill_wgmma_ws", need, device))
         if not reasons and launch_plan(p)["zero_ctas"] + device.sm_count > MAX_GRID_X:
             reasons.append(f"{launch_plan(p)['zero_ctas']} zero-pass CTAs exceed one launch's grid ({MAX_GRID_X})")
         return reasons
@@ -132,13 +144,13 @@ class PrefillWgmmaBackend(PrefillBackend):
                 f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
 
     # Read when a plan's launches are built.
-    def _spec(self, p: Problem):
+    def _spec(self, p: Problem, device: DeviceInfo):
         return registry.prefill_wgmma_ws_spec(p.dtype, p.head_size)
 
     def _plan(self, p: Problem, device: DeviceInfo, options: Options) -> dict:
         return launch_plan(p, persistent_ctas(device, options))
 
-    def _shared_bytes(self, p: Problem) -> int:
+    def _shared_bytes(self, p: Problem, device: DeviceInfo) -> int:
         return shared_bytes(p)
 
     def _tail_args(self, p: Problem, options: Options) -> tuple:

@@ -3,10 +3,12 @@
 Each backend lists the specializations it can launch (``BACKEND.specializations()``);
 :func:`all_specializations` collects them, so ``python -m cupa.compile --check`` compiles exactly
 what can run. Head size, GQA group and block size are run-time
-parameters of the decode kernel; T, the cache type and the head chunk are template values.
-The prefill kernel is specialized on T, the cache type and the head size (its tile shape). The
-wgmma prefill (sm_90a only) is pinned to its arch: ``Specialization.arch``. The merge of attention
-states (cuda_src/states.cu) is specialized on T, the sink's type and the vector width.
+parameters of the CUDA-core decode kernel; T, the cache type and the head chunk are template values.
+The tensor-core decode kernel is specialized on T, the cache type, the head size, its pipeline depth
+and its loop (keys as the MMA's M dimension or not); the prefill kernel on T, the cache type, the head
+size and its tile (query rows x keys). The wgmma prefill (sm_90a only) is pinned to its arch:
+``Specialization.arch``. The merge of attention states (cuda_src/states.cu) is specialized on T,
+the sink's type and the vector width.
 """
 
 from __future__ import annotations
@@ -26,21 +28,24 @@ def decode_spec(dtype: str, cache_kind: str, head_chunk: int) -> Specialization:
     return Specialization("decode", f"paged_decode<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_chunk}>")
 
 
-def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, keys_as_m: bool = False) -> Specialization:
-    """``keys_as_m``: the 8-bit caches' loop with keys as the MMA's M dimension (GQA groups of <= 8 heads)."""
+def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, stages: int, keys_as_m: bool = False) -> Specialization:
+    """``stages``: the K/V pipeline depth (STAGES in decode_mma.cu); ``keys_as_m``: the 8-bit caches' loop with
+    keys as the MMA's M dimension (GQA groups of <= 8 heads)."""
     return Specialization(
-        "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>",
-        ("-DCUPA_MMA8_T=1",) if keys_as_m else ())
+        "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, "
+                      f"{stages}, {'true' if keys_as_m else 'false'}>")
 
 
-def prefill_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
+def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple) -> Specialization:
+    """``tile``: (query rows, keys) of a CTA's tile (PrefillConfig in prefill.cu)."""
+    rows, keys = tile
     return Specialization(
-        "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
+        "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, {rows}, {keys}>")
 
 
 def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:
-    """The warp-specialized persistent wgmma prefill (producer warpgroup + two consumer warpgroups, setmaxnreg),
-    pinned to sm_90a: compiled offline and loaded as a cubin."""
+    """The warp-specialized persistent wgmma prefill (producer warpgroup + two consumer warpgroups, setmaxnreg;
+    T caches only), pinned to sm_90a: compiled offline and loaded as a cubin."""
     return Specialization(
         "prefill_wgmma_ws", f"paged_prefill_wgmma_ws<{types.act(dtype)}, {types.cache('T', dtype)}, {head_size}>",
         arch="sm_90a")
