@@ -53,7 +53,7 @@ def _numpy(t) -> np.ndarray:
 
 def _lse_tol(device) -> float:
     """The lse tolerance: float32 rounding on the CPU reference, a CUDA backend's fp32 arithmetic on a GPU."""
-    return 2e-6 if device is None else 1e-4
+    return 1e-6 if device is None else 1e-4
 
 
 def _cache_steps(device) -> int:
