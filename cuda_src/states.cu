@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(MERGE_WARPS * 32, 4) merge_states(
     }
   }
   __syncwarp();  // every lane has read the row's lse values (out_lse may be one of them)
-  if (out_lse && lane == 0) out_lse[row] = L > 0.0f ? M + logf(L) : CUPA_NEG_INF;
+  if (out_lse && lane == 0) out_lse[row] = state_lse(M, L);
 }
 
 __global__ void cascade_inputs(const int* __restrict__ cum, const int* __restrict__ past,

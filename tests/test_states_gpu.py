@@ -148,6 +148,27 @@ def test_return_lse_on_every_backend(cp, rng, case, backend):
     assert np.array_equal(cp.asnumpy(again_lse), cp.asnumpy(lse)), "lse not deterministic"
 
 
+@pytest.mark.parametrize("backend", dispatch.CUDA_BACKENDS)
+def test_return_lse_of_invalid_and_unowned_tokens(cp, rng, backend):
+    """Tokens of an invalid sequence, and tokens no sequence owns (the prefill zero pass), get -inf."""
+    inputs, attrs = gc.build(rng, q_lens=[40, 9, 30], past=[5, 3, 0], H=8, Hk=2, D=128, sink=True)
+    inputs["past_seqlens"][1] = -1
+    inputs["cumulative_sequence_length"][-1] -= 7
+    attrs = gc.with_options(attrs, backend=backend)
+    dev = gc.to_device(cp, inputs)
+    op = cupa.PagedAttention(**attrs, return_lse=True)
+    problem = op._problem(op._bind((), dev))
+    served = next(b for b in dispatch.cuda_backends() if b.name == backend)
+    if served.not_supported_reasons(problem, dispatch.device_info(dev["query"].data.device_id),
+                                    cupa.Options(backend=backend)):
+        pytest.skip(f"{backend} does not serve this call")
+    want_out, want_lse = _lse_reference(inputs, attrs)
+    assert np.isneginf(want_lse[40:49]).all() and np.isneginf(want_lse[-7:]).all()
+    out, lse = op(**dev)
+    _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
+    assert gc.rel_error(cp.asnumpy(out), want_out) < gc.TOLERANCE["float16"]
+
+
 def test_return_lse_costs_no_other_bits(cp, rng):
     """The output with return_lse is the output without it, bit for bit (same launches, one more store)."""
     for case in ("decode_fp16", "prefill_fp16"):
