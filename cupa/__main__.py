@@ -168,9 +168,9 @@ def _gpu_status() -> tuple:
     except Exception as exc:
         return False, f"CuPy cannot query devices ({_short(exc)})"
     try:
-        from cupa.kernels import registry
+        from cupa import dispatch
 
-        if not registry.backends():
+        if not dispatch.cuda_backends():
             return False, "no CUDA backend is registered"
     except Exception as exc:
         return False, f"the CUDA backends do not import ({_short(exc)})"

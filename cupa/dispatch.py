@@ -31,7 +31,7 @@ log = logging.getLogger("cupa")
 __all__ = ["Plan", "CUDA_BACKENDS", "cuda_backends", "call_device", "choose", "account", "make_plan", "explain"]
 
 #: CUDA backends in priority order, each the ``BACKEND`` of module ``cupa.kernels.<name>``.
-CUDA_BACKENDS = ("prefill_wgmma", "prefill", "mla", "decode")
+CUDA_BACKENDS = ("prefill_wgmma", "prefill", "mla", "decode", "general")
 
 
 @dataclass(eq=False)

@@ -66,6 +66,9 @@ def draw(seed: int) -> tuple:
         kw.update(rotary=True, interleaved=bool(rng.random() < 0.5), rotary_dim=rotary_dim,
                   rotary_offset=pick(offsets))
     inputs, attrs = gc.build(rng, **kw)
+    if kw["block_table"] == "shared" and _colliding_writes(inputs, block_size):
+        # two tokens writing one slot have no specified winner (contract §4.4): share only read-only blocks
+        inputs, attrs = gc.build(rng, **dict(kw, block_table="shuffled"))
     notes = [shape]
     if rng.random() < 0.15:                                     # explicit slots, some skipped or out of range
         slots = np.asarray(gc.derived_slots(inputs, block_size), dtype=np.int32)
@@ -115,6 +118,13 @@ def draw(seed: int) -> tuple:
     desc = dict(seed=seed, dtype=dtype, D=D, H=H, Hk=Hk, block_size=block_size, B=B, cache=cache, notes=notes,
                 q_lens=[int(x) for x in q_lens_now], past=[int(x) for x in inputs["past_seqlens"]])
     return inputs, attrs, metadata, desc
+
+
+def _colliding_writes(inputs, block_size) -> bool:
+    """Whether two tokens of the call would write one cache slot (derived slots)."""
+    slots = np.asarray(gc.derived_slots(inputs, block_size))
+    slots = slots[slots >= 0]
+    return len(np.unique(slots)) != len(slots)
 
 
 def backends_for(inputs, attrs, metadata) -> list:

@@ -7,6 +7,7 @@ checks every output element (contract §6 tolerances) and every cache byte.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import ml_dtypes
@@ -25,9 +26,20 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
           max_blocks=None, cache="T", k_quant="PER_CHANNEL", v_quant="PER_CHANNEL", packed=False,
           rotary=False, interleaved=False, rotary_dim=None, rotary_offset=0, qk_norm=False, sink=False,
           softcap=0.0, window=-1, is_causal=1, slot_mapping=None, query_positions=False, block_table="shuffled",
-          spare_blocks=3):
-    """NumPy inputs + attributes of a random paged problem (decode-shaped by default)."""
+          spare_blocks=3, bias=None, bias_pad=(0, 0), bias_neg_inf=0.0, qk_output=0, return_lse=False,
+          latent=False, v_head_size=0, scale=0.0):
+    """NumPy inputs + attributes of a random paged problem (decode-shaped by default).
+
+    ``bias``: None or (batch_broadcast, head_broadcast), an attention_bias of shape (1 or B, 1 or H,
+    max q_len + bias_pad[0], max kv_len + bias_pad[1]) (a negative pad makes a capacity smaller than
+    needed); ``bias_neg_inf``: the fraction of its entries set to -inf, and then also all of entry
+    (0, 0, 0, :) (the first query row of sequence 0, head 0 admits no finite key). ``qk_output``,
+    ``return_lse``, ``scale``: the attributes. ``latent``: the LATENT layout (kv_num_heads 1, one cache,
+    ``v_head_size`` channels of V; give ``scale`` when v_head_size != D).
+    """
     T = NP_DTYPES[dtype]
+    if latent:
+        Hk, packed = 1, False
     q_lens, past, kv_lens, N, cum, bt, num_blocks = random_sequences(rng, B, q_lens, past, block_size, max_blocks,
                                                                      block_table, spare_blocks)
     B = len(q_lens)
@@ -38,17 +50,28 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
     attrs = dict(num_heads=H, kv_num_heads=Hk, softcap=softcap, local_window_size=window, is_causal=is_causal)
     if OPTIONS is not None:
         attrs["options"] = OPTIONS
+    for name, value, default in (("qk_output", qk_output, 0), ("return_lse", return_lse, False), ("scale", scale, 0.0)):
+        if value != default:
+            attrs[name] = value
+    if latent:
+        attrs["kv_cache_layout"] = "LATENT"
+        if v_head_size:
+            attrs["v_head_size"] = v_head_size
     inputs = {}
     if packed:
         inputs["query"] = act(N, (H + 2 * Hk) * D)
+    elif latent:
+        inputs["query"], inputs["key"] = act(N, H * D), act(N, D)
     else:
         inputs["query"], inputs["key"], inputs["value"] = act(N, H * D), act(N, Hk * D), act(N, Hk * D)
     cshape = (num_blocks, block_size, Hk, D)
     if cache == "T":
-        inputs["key_cache"], inputs["value_cache"] = act(*cshape), act(*cshape)
+        inputs["key_cache"] = act(*cshape)
+        if not latent:
+            inputs["value_cache"] = act(*cshape)
     else:
         qmax = 127.0 if cache == "int8" else 448.0
-        for which, qt in (("k", k_quant), ("v", v_quant)):
+        for which, qt in (("k", k_quant),) if latent else (("k", k_quant), ("v", v_quant)):
             sshape = (1,) if qt == "PER_TENSOR" else (Hk, 1, D)
             scale = (rng.uniform(0.5, 1.5, size=sshape) * 3.0 / qmax).astype(np.float32)
             inputs[f"{which}_scale"] = scale
@@ -59,6 +82,8 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
             attrs[f"{which}_quant_type"] = qt
         if cache == "fp8":
             attrs.update(k_cache_dtype="float8e4m3fn", v_cache_dtype="float8e4m3fn")
+            if latent:
+                attrs.pop("v_cache_dtype")
     inputs["cumulative_sequence_length"] = cum
     inputs["past_seqlens"] = np.asarray(past, dtype=np.int32)
     inputs["block_table"] = bt
@@ -78,6 +103,15 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
     if query_positions:
         pos = np.concatenate([np.arange(p, p + q) for p, q in zip(past, q_lens)]).astype(np.int32)
         inputs["query_positions"] = pos
+    if bias is not None:
+        batch_broadcast, head_broadcast = bias
+        shape = (1 if batch_broadcast else B, 1 if head_broadcast else H, max(1, max(q_lens) + bias_pad[0]),
+                 max(1, max(kv_lens) + bias_pad[1]))
+        values = rng.standard_normal(shape) * 2.0
+        if bias_neg_inf:
+            values[rng.random(shape) < bias_neg_inf] = -np.inf
+            values[0, 0, 0, :] = -np.inf
+        inputs["attention_bias"] = values.astype(T)
     return inputs, attrs
 
 
@@ -211,6 +245,9 @@ def rel_error(out, ref) -> float:
 def assert_cache_close(got, ref, kind, dtype, name):
     """T caches within one ulp of T; quantized caches within one code."""
     got, ref = np.asarray(got), np.asarray(ref)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
+    if got.size == 0:       # an empty cache: nothing to compare
+        return
     if kind == "T":
         # contract §4.1 has the GPU prologue compute in fp32: where the two terms of a rotated pair
         # cancel, fp32 cannot land within one ulp of T of the float64 result. The bound is one ulp
@@ -341,3 +378,76 @@ def check_new_keys_cases(cp, rng, *, backend, dtype, head_sizes):
     inputs, attrs = build(rng, q_lens=[1100, 0, 1000], past=[0, 0, 0], H=4, Hk=2, D=head_sizes[0], dtype=dtype)
     check_new_keys_from_inputs(cp, inputs, attrs, backend=backend, dtype=dtype,
                                metadata=np.array([1100, 1100], dtype=np.int32), beside=True)
+
+
+@contextlib.contextmanager
+def poisoned_allocations(cp):
+    """Every device allocation made inside (outputs the call allocates itself: output_qk, lse; its workspaces)
+    starts as 0xFF bytes, NaN in float32 and in 16-bit floats, so an element no kernel writes shows."""
+    pool = cp.get_default_memory_pool()
+
+    def malloc(nbytes):
+        mem = pool.malloc(nbytes)
+        if nbytes:
+            cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes, cp.cuda.get_current_stream().ptr)
+        return mem
+
+    with cp.cuda.using_allocator(malloc):
+        yield
+
+
+def split_outputs(result, attrs) -> tuple:
+    """``(output, output_qk or None, lse or None)`` of a call's result."""
+    if not attrs.get("qk_output") and not attrs.get("return_lse"):
+        return result, None, None
+    rest = list(result[1:])
+    qk = rest.pop(0) if attrs.get("qk_output") else None
+    lse = rest.pop(0) if attrs.get("return_lse") else None
+    return result[0], qk, lse
+
+
+def assert_elementwise(got, ref, tol, name, floor=1.0):
+    """Every element of ``got`` written (no NaN), -inf exactly where ``ref`` is -inf, and elsewhere within
+    ``tol`` of ``ref`` relative to max(|ref|, floor)."""
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
+    assert not np.isnan(got).any(), f"{name}: {int(np.isnan(got).sum())} unwritten (NaN-poisoned) or NaN elements"
+    neg = np.isneginf(ref)
+    assert np.array_equal(np.isneginf(got), neg), f"{name}: -inf at {int((np.isneginf(got) != neg).sum())} wrong places"
+    finite = ~neg
+    err = np.abs(got[finite] - ref[finite])
+    allowed = tol * np.maximum(np.abs(ref[finite]), floor)
+    bad = err > allowed
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.size} elements off (worst {err.max():.3g}, "
+                           f"allowed {tol} relative to max(|ref|, {floor}))")
+
+
+def check_outputs_against_reference(cp, inputs, attrs, *, metadata=None, dtype="float16", cache="T", stream=None):
+    """check_against_reference for every output of a call: output (NaN-poisoned ``out=``, relative error),
+    output_qk and lse element by element (:func:`assert_elementwise`; probabilities relative to themselves,
+    scores and lse to max(|ref|, 1)), each allocation of the call poisoned (:func:`poisoned_allocations`),
+    and the caches (LATENT: one). Returns ``(result, device inputs)``."""
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    ref = split_outputs(cupa.paged_attention(**ref_in, attention_metadata=metadata, **host_attrs(attrs)), attrs)
+    dev = to_device(cp, inputs)
+    out = cp.full(ref[0].shape, np.nan, dtype=dev["query"].dtype)
+    with poisoned_allocations(cp):
+        result = cupa.paged_attention(**dev, attention_metadata=metadata, out=out, stream=stream, **attrs)
+    cp.cuda.get_current_stream().synchronize()
+    if stream is not None:
+        stream.synchronize()
+    got = split_outputs(result, attrs)
+    assert got[0] is out or got[0].data.ptr == out.data.ptr
+    host = cp.asnumpy(out)
+    assert not np.isnan(host.astype(np.float32)).any(), "output has unwritten (NaN-poisoned) elements"
+    err = rel_error(host, ref[0])
+    assert err < TOLERANCE[dtype], f"relative error {err:.3g} >= {TOLERANCE[dtype]}"
+    if got[1] is not None:
+        floor = 1e-30 if attrs["qk_output"] == 2 else 1.0
+        assert_elementwise(cp.asnumpy(got[1]), ref[1], TOLERANCE[dtype], "output_qk", floor=floor)
+    if got[2] is not None:
+        assert_elementwise(cp.asnumpy(got[2]), ref[2], TOLERANCE[dtype], "lse")
+    for name in ("key_cache", "value_cache"):
+        if name in inputs:
+            assert_cache_close(cp.asnumpy(dev[name]), ref_in[name], cache, dtype, name)
+    return result, dev

@@ -247,7 +247,7 @@ def test_non_contiguous_inputs_are_accepted_caches_are_not(rng):
 def cuda():
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
-    return torch.device("cuda")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 #: the cases CUDA backends serve (no output_qk, lse or LATENT there yet), with a head size the kernels take

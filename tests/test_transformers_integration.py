@@ -20,13 +20,17 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+_transformers = pytest.importorskip("transformers")
 
 from transformers import (AttentionInterface, AutoModelForCausalLM, ContinuousBatchingConfig,  # noqa: E402
                           DynamicCache, Gemma2Config, GenerationConfig, GptOssConfig, LlamaConfig, Qwen3Config)
 
 import cupa  # noqa: E402
 from cupa.integrations import transformers as cupa_tf  # noqa: E402
+
+if tuple(int(x) for x in _transformers.__version__.split(".")[:2]) not in cupa_tf.CONTINUOUS_BATCHING_RELEASES:
+    pytest.skip(f"transformers {_transformers.__version__}: the integration is tested with "
+                f"{cupa_tf.CONTINUOUS_BATCHING_RELEASES} (pip install 'cupa[transformers]')", allow_module_level=True)
 
 NAME = cupa_tf.register()
 KINDS = ("llama", "qwen3", "gpt_oss")

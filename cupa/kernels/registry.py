@@ -51,6 +51,25 @@ def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:
         arch="sm_90a")
 
 
+def general_mma_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
+    """The general backend's tensor-core kernel (attention_bias, output_qk, lse; cuda_src/general_mma.cu)."""
+    return Specialization(
+        "general_mma", f"paged_general_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
+
+
+def general_simt_spec(dtype: str, cache_kind: str, head_chunk: int, chunks_per_lane: int) -> Specialization:
+    """The general backend's CUDA-core kernel: ``head_chunk`` query heads a CTA, ``chunks_per_lane`` 8-channel
+    chunks a lane (head_size <= 256 * chunks_per_lane; cuda_src/general_simt.cu)."""
+    return Specialization(
+        "general_simt",
+        f"paged_general_simt<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_chunk}, {chunks_per_lane}>")
+
+
+def general_finish_spec(dtype: str) -> Specialization:
+    """The general backend's split merge and output_qk pass (cuda_src/general_finish.cu)."""
+    return Specialization("general_finish", f"paged_general_finish<{types.act(dtype)}>")
+
+
 def merge_states_spec(dtype: str, sink_dtype: str, vec: int) -> Specialization:
     """The merge of attention states (cupa.merge_states); ``vec``: channels per lane access (8 or 1)."""
     return Specialization("states", f"merge_states<{types.act(dtype)}, {types.act(sink_dtype)}, {vec}>")
