@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   const bool kv_new = !Cache::quantized && key != nullptr;  // (a quantized cache never gets them)
   if (!kv_new || blockIdx.x == 0) grid_dependency_wait();
   if ((int)blockIdx.x < zero_ctas) {
-    prefill_zero_pass<T, WARPS>(out, lse, cum, batch_size, token_count, num_heads, D);
+    prefill_zero_pass<T, WARPS>(out, cum, batch_size, token_count, num_heads, D, lse);
     return;
   }
 

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   const bool kv_new = key != nullptr;
   if (!kv_new || blockIdx.x == 0) grid_dependency_wait();
   if ((int)blockIdx.x < zero_ctas) {
-    prefill_zero_pass<T, Cfg::THREADS / 32>(out, lse, cum, batch_size, token_count, num_heads, D);
+    prefill_zero_pass<T, Cfg::THREADS / 32>(out, cum, batch_size, token_count, num_heads, D, lse);
     return;
   }
 
