@@ -37,6 +37,39 @@ def _describe(name: str, x):
                    "an array: NumPy, CuPy, or a CUDA array exposing __dlpack__ (PyTorch, JAX)") from e
 
 
+def bind_inputs(args: tuple, kwargs: dict) -> dict:
+    """Map positional (ONNX order) and keyword inputs to {name: value or None}; an unknown or repeated
+    name is a PagedAttentionError."""
+    n = len(args)
+    if n > _N_INPUTS:
+        raise PagedAttentionError(f"inputs: got {n} positional inputs; expected at most {_N_INPUTS} "
+                                  f"(the ONNX input order {list(INPUT_NAMES)})")
+    inputs = _ALL_NONE.copy()
+    inputs.update(zip(INPUT_NAMES, args))
+    if kwargs:
+        keys = kwargs.keys()
+        if keys <= _INPUT_SET and keys.isdisjoint(_POSITIONAL[n]):
+            inputs.update(kwargs)   # every name known, none given twice: what the loop below does
+        else:
+            _bind_keywords(inputs, n, kwargs)
+    return inputs
+
+
+def _bind_keywords(inputs: dict, n: int, kwargs: dict) -> None:
+    """Keyword inputs one by one, raising for the first unknown or repeated name."""
+    for name, value in kwargs.items():
+        pos = _INPUT_INDEX.get(name)
+        if pos is None:
+            hint = (" (an attribute: bind it in PagedAttention(...))" if name in Attributes.names()
+                    else "")
+            raise PagedAttentionError(f"{name}: got an unknown input name{hint}; "
+                                      f"expected one of {list(INPUT_NAMES)}")
+        if pos < n:
+            raise PagedAttentionError(f"{name}: got it both positionally (input {pos}) and by keyword; "
+                                      "expected it once")
+        inputs[name] = value
+
+
 class PagedAttention:
     """Attributes bound once, like an ONNX node; call it with the inputs.
 
@@ -86,36 +119,7 @@ class PagedAttention:
         return f"PagedAttention({', '.join(parts)})"
 
     # -- planning -----------------------------------------------------------------
-    def _bind(self, args: tuple, kwargs: dict) -> dict:
-        """Map positional (ONNX order) and keyword inputs to {name: value or None}."""
-        n = len(args)
-        if n > _N_INPUTS:
-            raise PagedAttentionError(f"inputs: got {n} positional inputs; expected at most {_N_INPUTS} "
-                                      f"(the ONNX input order {list(INPUT_NAMES)})")
-        inputs = _ALL_NONE.copy()
-        inputs.update(zip(INPUT_NAMES, args))
-        if kwargs:
-            keys = kwargs.keys()
-            if keys <= _INPUT_SET and keys.isdisjoint(_POSITIONAL[n]):
-                inputs.update(kwargs)   # every name known, none given twice: what the loop below does
-            else:
-                self._bind_keywords(inputs, n, kwargs)
-        return inputs
-
-    @staticmethod
-    def _bind_keywords(inputs: dict, n: int, kwargs: dict) -> None:
-        """Keyword inputs one by one, raising for the first unknown or repeated name."""
-        for name, value in kwargs.items():
-            pos = _INPUT_INDEX.get(name)
-            if pos is None:
-                hint = (" (an attribute: bind it in PagedAttention(...))" if name in Attributes.names()
-                        else "")
-                raise PagedAttentionError(f"{name}: got an unknown input name{hint}; "
-                                          f"expected one of {list(INPUT_NAMES)}")
-            if pos < n:
-                raise PagedAttentionError(f"{name}: got it both positionally (input {pos}) and by keyword; "
-                                          "expected it once")
-            inputs[name] = value
+    _bind = staticmethod(bind_inputs)
 
     def _memo_entry(self, inputs: dict) -> list:
         """``[problem, plan or None]`` for the bound inputs, validating them on a memo miss.
