@@ -145,11 +145,13 @@ def check_reference(got, ref, dtype):
 
 # -- 1. replay follows growing sequences ------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,D", [("float16", 128), ("float32", 64)])
-def test_replay_follows_growing_sequences(cp, rng, dtype, D):
-    # lengths 0..314 over 64 steps: sequence 0 starts empty, 1 crosses a boundary at step 1, every
-    # sequence crosses several; the table is sized for the maximum length.
-    gr = Growth(rng, past0=[0, 15, 97, 250], steps=64, D=D, dtype=dtype)
+@pytest.mark.parametrize("dtype,D,steps", [("float16", 128, 64), ("float32", 64, 64),
+                                           pytest.param("float16", 128, 256, marks=pytest.mark.slow),
+                                           pytest.param("bfloat16", 64, 256, marks=pytest.mark.slow)])
+def test_replay_follows_growing_sequences(cp, rng, dtype, D, steps):
+    # lengths 0..250+steps: sequence 0 starts empty, 1 crosses a boundary at step 1, every sequence
+    # crosses several; the table is sized for the maximum length.
+    gr = Growth(rng, past0=[0, 15, 97, 250], steps=steps, D=D, dtype=dtype)
     md = [1, gr.max_len]                                     # replay-wide bound
     op = cupa.PagedAttention(num_heads=H, kv_num_heads=HK)
     graph_state, eager_state, host = DeviceState(cp, gr), DeviceState(cp, gr), HostState(gr)
@@ -315,9 +317,11 @@ def _torch_bits(torch, x):
     return x.contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize("own_stream", [False, True])
-def test_capture_with_torch_tensors_and_streams(cp, torch, rng, own_stream):
-    gr = Growth(rng, past0=[3, 16, 70, 129], steps=24)
+@pytest.mark.parametrize("own_stream,steps", [(False, 24), (True, 24),
+                                              pytest.param(False, 256, marks=pytest.mark.slow),
+                                              pytest.param(True, 256, marks=pytest.mark.slow)])
+def test_capture_with_torch_tensors_and_streams(cp, torch, rng, own_stream, steps):
+    gr = Growth(rng, past0=[3, 16, 70, 129], steps=steps)
     md = [1, gr.max_len]
     op = cupa.PagedAttention(num_heads=H, kv_num_heads=HK)
     graph_state, eager_state, host = TorchState(torch, gr), TorchState(torch, gr), HostState(gr)
