@@ -428,9 +428,13 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
       }
     }
 
-    // O += P V.
+    // O += P V. A key some live row of the warp does not admit (outside the intersection of their ranges)
+    // has P = 0 for that row, and 0 times an Inf or NaN V element is NaN: the 16-key steps holding such keys
+    // read V with non-finite values replaced by 0 (contract §4.4; for a row that admits the key the result
+    // is unspecified anyway). Unmapped rows were zero-filled.
 #pragma unroll
     for (int j2 = 0; j2 < KEYS / 16; ++j2) {
+      const bool clean_v = !(kt0 + 16 * j2 >= wlo_max && kt0 + 16 * j2 + 16 <= whi_min);  // (uniform in the warp)
       unsigned a[4];
       a[0] = Mma<T>::pack(s[2 * j2][0], s[2 * j2][1]);
       a[1] = Mma<T>::pack(s[2 * j2][2], s[2 * j2][3]);
@@ -440,6 +444,10 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
       for (int nn = 0; nn < D / 16; ++nn) {
         unsigned bv4[4];
         ldsm_x4_trans(bv4, step_addr(v_base, nn) + j2 * 16 * ROW_BYTES);
+        if (clean_v) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) bv4[e] = finite_or_zero2<T>(bv4[e]);
+        }
         Mma<T>::run(o[2 * nn], a, bv4[0], bv4[1]);
         Mma<T>::run(o[2 * nn + 1], a, bv4[2], bv4[3]);
       }

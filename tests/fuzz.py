@@ -103,6 +103,17 @@ def draw(seed: int) -> tuple:
         inputs["value_cache"] = inputs["value_cache"][:0].copy()
         inputs["block_table"][:] = -1
         notes.append("empty cache")
+    slots = write_slots(inputs, attrs)
+    taken = slots >= 0
+    first = np.zeros_like(taken)
+    if taken.any():
+        order = np.flatnonzero(taken)
+        _, first_of = np.unique(slots[order], return_index=True)
+        first[order[first_of]] = True
+    if (taken & ~first).any():
+        # two tokens writing one slot have no specified winner (contract §4.4): the later ones skip theirs
+        inputs["slot_mapping"] = np.where(first, slots, -1).astype(np.int32)
+        notes.append("colliding writes skipped")
     metadata = None
     md = rng.random()
     q_lens_now = np.diff(inputs["cumulative_sequence_length"])
@@ -118,6 +129,27 @@ def draw(seed: int) -> tuple:
     desc = dict(seed=seed, dtype=dtype, D=D, H=H, Hk=Hk, block_size=block_size, B=B, cache=cache, notes=notes,
                 q_lens=[int(x) for x in q_lens_now], past=[int(x) for x in inputs["past_seqlens"]])
     return inputs, attrs, metadata, desc
+
+
+def write_slots(inputs, attrs) -> np.ndarray:
+    """The slot each token writes under the contract (-1: none), with the reference's ownership rule."""
+    from cupa import reference
+
+    op = cupa.PagedAttention(**attrs)
+    x = dict(inputs)
+    pb = op._problem(op._bind((), x))
+    tok = reference._tokens(pb, x)
+    bs, MB, nb = pb.block_size, pb.max_blocks_per_seq, inputs["key_cache"].shape[0]
+    if inputs.get("slot_mapping") is not None:
+        s = np.asarray(inputs["slot_mapping"]).astype(np.int64)
+        ok = (s >= 0) & (s < nb * bs)
+    else:
+        logical = tok.position // bs
+        inside = (logical >= 0) & (logical < MB)
+        blk = np.asarray(inputs["block_table"])[tok.seq, np.clip(logical, 0, MB - 1)].astype(np.int64)
+        ok = inside & (blk >= 0) & (blk < nb)
+        s = blk * bs + tok.position % bs
+    return np.where(tok.valid & ok, s, -1)
 
 
 def _colliding_writes(inputs, block_size) -> bool:
