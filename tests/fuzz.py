@@ -238,6 +238,10 @@ def main(argv=None) -> int:
     ap.add_argument("--malformed", action="store_true",
                     help="only configurations with malformed data or skipped slots (for compute-sanitizer)")
     args = ap.parse_args(argv)
+    if args.malformed:
+        import cupy as cp
+
+        cp.cuda.set_allocator(None)  # one cudaMalloc per array: compute-sanitizer sees each array's exact bounds
     records, start = [], time.perf_counter()
     skip = tuple(n for n in args.skip.split(",") if n)
     log = open(args.log, "a") if args.log else None
