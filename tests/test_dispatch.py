@@ -90,14 +90,13 @@ def test_features_no_fused_backend_serves_are_said_once(rng):
     inputs, _ = gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
     op = cupa.PagedAttention(num_heads=8, kv_num_heads=2, qk_output=1)
     problem = op._problem(op._bind((), inputs))
-    with pytest.raises(cupa.PagedAttentionError, match="no CUDA backend serves this call"):
-        dispatch.choose(problem, H200, DEFAULT)
+    assert dispatch.choose(problem, H200, DEFAULT).name == "general"
     lines = dispatch.account(problem, H200, DEFAULT).splitlines()
     reason = "output_qk (qk_output != 0) is not served here (the general backend serves it)"
     declining = [b for b in dispatch.cuda_backends() if "output_qk" not in b.serves]
     said = [line for line in lines if f"not eligible: {reason}" in line]
-    assert len(said) == len(declining)
-    assert sum(reason in line for line in lines) == len(declining) + 1
+    assert len(said) == len(declining) > 0
+    assert sum(reason in line for line in lines) == len(declining)
 
 
 def test_every_cuda_backend_serves_return_lse(rng):

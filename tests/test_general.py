@@ -40,7 +40,7 @@ def test_general_is_last_and_serves_every_feature():
     assert dispatch.CUDA_BACKENDS[-1] == "general"
     b = dispatch.cuda_backends()[-1]
     assert b is general.BACKEND and b.name == "general"
-    assert not b.verified  # until its GPU tests (tests/test_general_gpu.py) pass on a device
+    assert b.verified  # tests/test_general_gpu.py and the differential fuzz pass on an H200
     assert b.serves == frozenset(kbackend.FEATURES) == {"latent", "bias", "output_qk", "return_lse"}
     assert "general" in cupa.options.BACKEND_NAMES
 
@@ -67,6 +67,14 @@ def test_fused_backends_decline_and_the_general_backend_alone_serves(rng, case, 
     assert "general: chosen (general backend on" in text and "not yet verified on a GPU" in text, text
     for name in FUSED:
         assert f"{name}: not considered (options.backend='general')" in text
+
+
+@pytest.mark.parametrize("case", ["bias", "scores", "probabilities"])
+def test_the_default_choice_for_bias_and_output_qk_is_the_general_backend(rng, case):
+    p = problem_of(rng, **FEATURE_CASES[case])
+    assert dispatch.choose(p, H200, DEFAULT) is general.BACKEND
+    text = dispatch.account(p, H200, DEFAULT)
+    assert "general: chosen (general backend on" in text and "not yet verified" not in text, text
 
 
 @pytest.mark.parametrize("case", ["latent", "latent_576"])

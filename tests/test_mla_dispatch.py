@@ -53,8 +53,7 @@ def test_mla_comes_before_decode_and_serves_latent_and_lse():
 def test_not_chosen_by_default_while_unverified_and_selectable_by_name(monkeypatch):
     monkeypatch.setattr(mla.BACKEND, "verified", False)
     p = latent_problem()
-    with pytest.raises(cupa.PagedAttentionError, match="no CUDA backend serves this call"):
-        dispatch.choose(p, H200, DEFAULT)
+    assert dispatch.choose(p, H200, DEFAULT).name == "general"   # it serves every LATENT call, more slowly
     text = dispatch.account(p, H200, DEFAULT)
     assert "mla: not eligible: not yet verified on a GPU (select it with cupa.Options(backend='mla'))" in text, text
     for name in ("prefill_wgmma", "prefill", "decode"):
