@@ -43,7 +43,7 @@ class CascadeAttention:
     """Paged attention for a call whose sequences share their first ``prefix_len`` cached positions.
 
     Called with the inputs of the plain call (:func:`cupa.paged_attention`), it returns what the plain
-    call returns -- ``output``, or ``(output, lse)`` with ``return_lse`` -- within the SPEC section 6
+    call returns -- ``output``, or ``(output, lse)`` with ``return_lse`` -- within the contract §6
     tolerances, and writes the caches as the plain call does, while the shared blocks are read once.
 
     Parameters
@@ -316,7 +316,7 @@ class _Step:
 
 
 def _shifted_metadata(p: Problem, P: int) -> Optional[np.ndarray]:
-    """attention_metadata of the suffix call: the plain call's bounds (clamped, SPEC 4.5) with the kv
+    """attention_metadata of the suffix call: the plain call's bounds (clamped, contract §4.5) with the kv
     bounds less the prefix."""
     if not p.has_metadata:
         return None

@@ -208,7 +208,7 @@ def paged_attention(query: Tensor, key: Optional[Tensor] = None, value: Optional
                     qk_output: int = 0, return_lse: bool = False, options: Optional[Options] = None):
     """:func:`cupa.paged_attention` through the ``cupa::paged_attention`` operator (torch tensors only).
 
-    Takes the inputs and attributes of :func:`cupa.paged_attention` (SPEC sections 1 and 3) as torch
+    Takes the inputs and attributes of :func:`cupa.paged_attention` (contract §1 and §3) as torch
     tensors, all on the CPU or all on one CUDA device; ``attention_metadata`` is host values (a list
     or tuple of ints). ``key_cache`` and ``value_cache`` are updated in place. Traceable by
     ``torch.compile(fullgraph=True)`` and capturable by ``torch.cuda.graph``.
