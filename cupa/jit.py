@@ -410,6 +410,28 @@ _REGS = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 
 
+def whole_elf(image: bytes) -> bytes:
+    """``image`` padded with zeros to the size its ELF headers declare (the end of the last header table
+    or section): CuPy's ``nvrtc.getCUBIN`` drops the buffer's last byte, as it does for PTX's NUL."""
+    import struct
+
+    if len(image) < 64 or image[:4] != b"\x7fELF" or image[4] != 2:  # not a 64-bit ELF: leave it be
+        return image
+    order = "<" if image[5] == 1 else ">"
+    phoff, shoff = struct.unpack_from(order + "QQ", image, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", image, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    for i in range(shnum):
+        entry = shoff + i * shentsize
+        if entry + shentsize > len(image):
+            break
+        kind, = struct.unpack_from(order + "I", image, entry + 4)
+        offset, size = struct.unpack_from(order + "QQ", image, entry + 0x18)
+        if kind != 8:  # SHT_NOBITS occupies no bytes of the file
+            end = max(end, offset + size)
+    return image + bytes(end - len(image)) if len(image) < end else image
+
+
 def parse_ptxas_log(text: str) -> dict:
     """``{mangled kernel name: {registers, spill_store_bytes, spill_load_bytes, stack_bytes, shared_bytes}}``."""
     stats: dict = {}
@@ -478,7 +500,7 @@ def compile_offline(spec: Specialization, arch: str = "sm_90", *, keep_cubin: bo
         seconds = time.perf_counter() - start
         text = nvrtc.getProgramLog(prog)
         lowered = nvrtc.getLoweredName(prog, spec.name_expression)
-        cubin = bytes(nvrtc.getCUBIN(prog)) if keep_cubin else None
+        cubin = whole_elf(bytes(nvrtc.getCUBIN(prog))) if keep_cubin else None
     finally:
         nvrtc.destroyProgram(prog)
     mine = parse_ptxas_log(text).get(lowered)

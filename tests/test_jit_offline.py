@@ -299,3 +299,26 @@ def test_decode_trace_summary_groups_ctas_by_their_sms_load():
     rows = np.array(rows, dtype=np.int64)
     rows[:, 4:6] = 0  # no CTA reached its stores (a kernel returning before the probe): no quantiles
     assert trace_decode.summarize(rows)["merge_us"] == []
+
+
+def test_cubins_are_whole_elf_images():
+    """CuPy's nvrtc.getCUBIN drops the image's last byte; jit.whole_elf restores the size the ELF headers
+    declare (cuobjdump refuses the short image; the disk cache keeps the whole one)."""
+    import struct
+
+    nvrtc_or_skip()
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram('extern "C" __global__ void k(float* x) { x[threadIdx.x] += 1.0f; }', "k.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=sm_90a"])
+        raw = bytes(nvrtc.getCUBIN(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+    whole = jit.whole_elf(raw)
+    phoff, shoff = struct.unpack_from("<QQ", whole, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", whole, 0x36)
+    assert len(whole) >= max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    assert whole[:len(raw)] == raw and set(whole[len(raw):]) <= {0}
+    assert jit.whole_elf(whole) == whole
+    assert jit.whole_elf(b"not an ELF image") == b"not an ELF image"

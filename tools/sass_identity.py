@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import tarfile
@@ -95,21 +94,11 @@ _FUNCTION = re.compile(r"^\s*Function : (\S+)")
 _ENCODING_ONLY = re.compile(r"^\s*/\* 0x[0-9a-f]+ \*/\s*$")
 
 
-def whole_elf(cubin: bytes) -> bytes:
-    """``cubin`` padded with zeros to the end of its program and section header tables (CuPy's
-    ``nvrtc.getCUBIN`` returns one byte fewer than NVRTC's cubin size: the last program-header byte,
-    a zero, which cuobjdump needs to accept the file)."""
-    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
-    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    return cubin + b"\0" * max(0, end - len(cubin))
-
-
 def sass_of(cuobjdump: str, cubin: bytes, workdir: Path, name: str) -> list:
     """The instructions of kernel ``name`` in ``cubin`` (one string per instruction, encodings kept)."""
     fd, path = tempfile.mkstemp(suffix=".cubin", dir=workdir)
     with os.fdopen(fd, "wb") as f:
-        f.write(whole_elf(cubin))
+        f.write(jit.whole_elf(cubin))
     path = Path(path)
     # cuobjdump runs nvdisasm, which the pip packages install beside it
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(cuobjdump).parent), os.environ.get("PATH", "")]))
