@@ -290,10 +290,12 @@ class CascadeSuite(Suite):
 
 
 #: Order of the suites in a run and in the tables.
-SUITE_ORDER = ("decode", "prefill", "chunked", "mixed", "mla", "subbyte", "cascade", "graphs", "host", "serving")
+SUITE_ORDER = ("decode", "prefill", "chunked", "mixed", "mla", "subbyte", "cascade", "general", "graphs", "host",
+               "serving")
 
 
 def all_suites() -> dict:
+    from .general import GeneralSuite
     from .steps import GraphsSuite, HostSuite, ServingSuite
 
     mma_sync = (("mma.sync", cupa.Options(backend="prefill")),)
@@ -306,6 +308,6 @@ def all_suites() -> dict:
                        (("mla backend", cupa.Options(backend="mla")),
                         ("mla mma.sync", cupa.Options(backend="mla", _tuning=_Tuning(mla_wgmma=False))))),
         AttentionSuite("subbyte", "int4 / float4 e2m1 caches"),
-        CascadeSuite(), GraphsSuite(), HostSuite(), ServingSuite(),
+        CascadeSuite(), GeneralSuite(), GraphsSuite(), HostSuite(), ServingSuite(),
     ]
     return {s.name: s for s in sorted(suites, key=lambda s: SUITE_ORDER.index(s.name))}
