@@ -1,5 +1,6 @@
-"""``python -m cupa.bench``: the CPU smoke run (JSON schema, markdown, plots, --compare, --merge, --only),
-the report arithmetic on known numbers, and each peer adapter's input construction on the CPU.
+"""``python -m cupa.bench``: the CPU smoke run (JSON schema, markdown, plots, --compare, --merge, --only;
+the general suite's derived figures and targets), the report arithmetic on known numbers, and each peer
+adapter's input construction on the CPU.
 
 Adapters are checked against the documented semantics of their library's call: the index arrays and
 argument tensors they build are fed to a plain NumPy attention that reads them the way the library's
@@ -21,6 +22,7 @@ import pytest
 import cupa
 from cupa.bench import cases as C
 from cupa.bench import cli, report, sweeps
+from cupa.bench.general import GeneralSuite
 from cupa.bench.peers import Peer, Prepared, Unsupported, all_peers
 from cupa.bench.runtime import NumpyRuntime
 from cupa.bench.suites import SUITE_ORDER, AttentionSuite, Context, all_suites, rel_err, time_peer
@@ -50,7 +52,7 @@ def test_smoke_json_schema(smoke):
     assert all(p["status"] == "not run" for p in payload["peers"].values())
     suites = payload["suites"]
     assert set(suites) == set(SUITE_ORDER)
-    for name in ("decode", "prefill", "chunked", "mixed", "mla", "subbyte"):
+    for name in ("decode", "prefill", "chunked", "mixed", "mla", "subbyte", "general"):
         assert suites[name]["status"] == "ran", name
     assert suites["graphs"]["status"] == "skipped" and "CUDA" in suites["graphs"]["reason"]
     if hasattr(cupa, "CascadeAttention"):
@@ -63,6 +65,7 @@ def test_smoke_json_schema(smoke):
     assert len(ids) == len(set(ids))
     expected = {c.id for s in ("decode", "prefill", "chunked", "mixed", "mla", "subbyte")
                 for c in sweeps.attention_cases(s, "smoke")}
+    expected |= {c.id for c in GeneralSuite().items("smoke")}
     assert expected <= set(ids)
 
 
@@ -91,6 +94,72 @@ def test_smoke_case_records(smoke):
     sub = [r for r in payload["cases"] if r["suite"] == "subbyte"]
     assert sub and all(r["cupa"]["status"] in ("ok", "not served") for r in sub)
     assert by_id[C.mla(2, 16, num_heads=2, block_size=4).id]["cupa"]["status"] == "ok"
+
+
+def _target_met(target: dict) -> bool:
+    if "at_least" in target:
+        return target["value"] >= target["at_least"]
+    return target["value"] <= target["at_most"]
+
+
+def test_smoke_general_records(smoke):
+    """The general suite: each call and its variants ran (the NumPy reference), the derived figures
+    follow from the medians, the targets are recorded with whether they are met."""
+    _, payload = smoke
+    recs = {r["case"].split(" B=")[0]: r for r in payload["cases"] if r["suite"] == "general"}
+    assert set(recs) == {"prefill bias", "decode qk_output=2", "latent bias"}
+    for rec in recs.values():
+        assert rec["cupa"]["status"] == "ok" and rec["peers"] == {}, rec["id"]
+        assert all(m["status"] == "ok" for m in rec["variants"].values()), rec["id"]
+        assert "attention_bias" in rec["details"]["peers"]
+    p = recs["prefill bias"]
+    assert set(p["variants"]) == {"general no bias", "fused no bias"}
+    B, H, q = p["params"]["B"], p["params"]["num_heads"], p["params"]["q_len"]
+    assert p["flops"] == 4 * H * p["params"]["head_size"] * B * q * (q + 1) // 2
+    assert p["details"]["bias_shape"] == [B, H, q, q]
+    for m in [p["cupa"], *p["variants"].values()]:
+        assert m["tflop_per_s"] == pytest.approx(p["flops"] / m["median_us"] / 1e6)
+    assert p["cupa"]["bias_cost_vs_general_no_bias"] == pytest.approx(
+        p["cupa"]["median_us"] / p["variants"]["general no bias"]["median_us"])
+    t = p["target"]
+    assert t["at_least"] == 150.0 and t["value"] == p["cupa"]["tflop_per_s"] and t["met"] == _target_met(t)
+    d = recs["decode qk_output=2"]
+    assert set(d["variants"]) == {"qk_output=1", "bias", "general plain", "fused no qk"}
+    B, H, L = d["params"]["B"], d["params"]["num_heads"], d["params"]["past"] + 1
+    floor = d["floor"]
+    assert floor["output_qk_shape"] == [H, B, L] and floor["output_qk_bytes"] == H * B * L * 4
+    assert floor["write_tb_per_s"] == d["write_probe"]["tb_per_s"] > 0
+    assert floor["floor_us"] == pytest.approx(d["variants"]["fused no qk"]["median_us"]
+                                              + floor["output_qk_bytes"] / floor["write_tb_per_s"] / 1e6)
+    for label, m in [("cupa", d["cupa"]), *d["variants"].items()]:
+        if label != "fused no qk":
+            assert m["ratio_to_floor"] == pytest.approx(m["median_us"] / floor["floor_us"]), label
+    for label in ("qk_output=1", "general plain", "fused no qk"):       # the same attention as cupa's call
+        assert d["variants"][label]["rel_err_vs_cupa"] < 1e-6 and d["variants"][label]["agrees"], label
+    t = d["target"]
+    assert t["at_most"] == 1.5 and t["value"] == d["cupa"]["ratio_to_floor"] and t["met"] == _target_met(t)
+    lat = recs["latent bias"]
+    assert lat["params"]["layout"] == "LATENT" and "target" not in lat
+    assert lat["details"]["bias_shape"] == [1, 1, 1, lat["params"]["past"] + 1]
+    assert not payload["mismatches"]
+
+
+def test_general_variants_name_the_general_backend():
+    """On a device runtime the no-bias / no-qk variants run ``Options(backend="general")`` (NumPy arrays
+    stand in for a device here: the general backend declines them, saying why)."""
+    class DeviceLike(NumpyRuntime):
+        on_device = True
+
+    suite = GeneralSuite()
+    ctx = Context(DeviceLike(), [], reps=1, size="smoke")
+    prefill, decode, _ = suite.items("smoke")
+    rec = suite.run(prefill, ctx)
+    assert rec["cupa"]["status"] == "ok" and rec["variants"]["fused no bias"]["status"] == "ok"
+    assert rec["variants"]["general no bias"]["status"] == "not served"
+    assert "'general'" in rec["variants"]["general no bias"]["reason"]
+    rec = suite.run(decode, ctx)
+    assert rec["variants"]["general plain"]["status"] == "not served"
+    assert rec["target"]["met"] == _target_met(rec["target"])
 
 
 def test_smoke_markdown_lists_every_case(smoke):
@@ -533,6 +602,24 @@ def test_device_run_records_cupa_and_every_peer(tmp_path):
             assert m["status"] in ("ok", "missing", "unsupported", "error"), (name, m)
             if m["status"] == "ok":
                 assert m["agrees"], (rec["id"], name, m)
+    assert not payload["mismatches"]
+
+
+@pytest.mark.gpu
+def test_device_general_suite(tmp_path):
+    out = tmp_path / "general.json"
+    assert cli.main(["--quick", "--only", "general", "--no-peers", "--reps", "3", "--no-plots", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    recs = {r["case"].split(" B=")[0]: r for r in payload["cases"] if r["suite"] == "general"}
+    assert set(recs) == {"prefill bias", "decode qk_output=2", "latent bias"}
+    for rec in recs.values():
+        assert rec["cupa"]["status"] == "ok" and rec["cupa"]["backend"] == "general", rec["cupa"]
+        assert all(m["status"] == "ok" for m in rec["variants"].values()), rec["variants"]
+    assert recs["prefill bias"]["variants"]["general no bias"]["backend"] == "general"
+    assert recs["prefill bias"]["variants"]["fused no bias"]["backend"] != "general"
+    assert recs["decode qk_output=2"]["floor"]["output_qk_shape"] == [32, 8, 8192]
+    for rec in (recs["prefill bias"], recs["decode qk_output=2"]):
+        assert rec["target"]["met"] in (True, False)
     assert not payload["mismatches"]
 
 

@@ -1,8 +1,8 @@
 """cupa's benchmark command, ``python -m cupa.bench``: every suite and every peer in one run.
 
 Suites (:mod:`cupa.bench.sweeps` lists their cases): decode, prefill, chunked prefill, mixed
-prefill + decode batches, MLA, sub-byte caches, cascade, CUDA graphs, host overhead and the serving
-toolkit's host step. Peers (:mod:`cupa.bench.peers`): torch SDPA on a dense cache (flash and cuDNN
+prefill + decode batches, MLA, sub-byte caches, cascade, the general backend (attention_bias,
+output_qk), CUDA graphs, host overhead and the serving toolkit's host step. Peers (:mod:`cupa.bench.peers`): torch SDPA on a dense cache (flash and cuDNN
 backends), FlashInfer's paged wrappers, ONNX Runtime's CUDA ``com.microsoft::PagedAttention`` and
 flash-attn's paged ``flash_attn_with_kvcache`` (FlashAttention-2 and -3), each timed in the same
 process on the same inputs with the same L2 flush (:mod:`cupa.bench.timing`), beside a read probe and

@@ -3,7 +3,8 @@ CPU smoke mode (NumPy arrays, the NumPy reference backend, wall-clock timing).
 
 A :class:`Runtime` owns the array module, the timer, the stream every measurement runs on (cupa,
 PyTorch and ONNX Runtime all enqueue there) and the roofline probes: a read probe of any size and a
-dense GEMM, measured in the same process as the cases.
+dense GEMM, measured in the same process as the cases, and a write probe (a fill) for the suites whose
+floor includes bytes written.
 """
 
 from __future__ import annotations
@@ -118,6 +119,16 @@ class CudaRuntime(Runtime):
     def release_probe(self) -> None:
         self._probe_buffer = None
 
+    def write_probe(self, nbytes: int, reps: int) -> dict:
+        """Time of a CuPy fill of ``nbytes`` (the write bandwidth a kernel writing that much could reach),
+        flushed like a case."""
+        buf = self.cp.empty(int(nbytes), dtype=self.cp.uint8)
+        t = self.timer.time_us(lambda: buf.fill(7), reps=reps)
+        del buf
+        self.free()
+        t.update(bytes=int(nbytes), what="cupy fill", tb_per_s=nbytes / t["median_us"] / 1e6)
+        return t
+
     def gemm_probe(self, reps: int) -> dict:
         """A dense bf16 GEMM (PyTorch when it has CUDA, else a CuPy fp16 GEMM: the same tensor-core rate)."""
         n = GEMM_SIZE
@@ -165,6 +176,12 @@ class NumpyRuntime(Runtime):
 
     def release_probe(self) -> None:
         pass
+
+    def write_probe(self, nbytes: int, reps: int) -> dict:
+        buf = np.empty(int(nbytes), dtype=np.uint8)
+        t = self.timer.time_us(lambda: buf.fill(7), reps=reps)
+        t.update(bytes=buf.nbytes, what="numpy fill", tb_per_s=buf.nbytes / t["median_us"] / 1e6)
+        return t
 
     def gemm_probe(self, reps: int) -> dict:
         n = 256

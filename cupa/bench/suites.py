@@ -110,13 +110,16 @@ def base_record(item) -> dict:
     return rec
 
 
-def time_cupa(built: Built, ctx: Context, options=None):
-    """``(record, output)``: cupa's timing of ``built`` (status "ok", "not served" or "error")."""
+def time_cupa(built: Built, ctx: Context, options=None, attributes: Optional[dict] = None,
+              inputs: Optional[dict] = None):
+    """``(record, output)``: cupa's timing of ``built`` (status "ok", "not served" or "error");
+    ``attributes`` and ``inputs`` are added to the case's own (the general suite's qk_output and
+    attention_bias)."""
     rt = ctx.runtime
     case = built.case
     try:
-        op = cupa.PagedAttention(**built.attributes, options=options)
-        inputs = built.call_inputs()
+        op = cupa.PagedAttention(**built.attributes, **(attributes or {}), options=options)
+        inputs = dict(built.call_inputs(), **(inputs or {}))
         backend = op.plan(**inputs).backend
         out = rt.xp.empty((case.token_count, case.num_heads * case.out_head_size), dtype=inputs["query"].dtype)
         result = rt.time_us(lambda: op(**inputs, out=out), ctx.reps)
@@ -287,10 +290,12 @@ class CascadeSuite(Suite):
 
 
 #: Order of the suites in a run and in the tables.
-SUITE_ORDER = ("decode", "prefill", "chunked", "mixed", "mla", "subbyte", "cascade", "graphs", "host", "serving")
+SUITE_ORDER = ("decode", "prefill", "chunked", "mixed", "mla", "subbyte", "cascade", "general", "graphs", "host",
+               "serving")
 
 
 def all_suites() -> dict:
+    from .general import GeneralSuite
     from .steps import GraphsSuite, HostSuite, ServingSuite
 
     mma_sync = (("mma.sync", cupa.Options(backend="prefill")),)
@@ -303,6 +308,6 @@ def all_suites() -> dict:
                        (("mla backend", cupa.Options(backend="mla")),
                         ("mla mma.sync", cupa.Options(backend="mla", _tuning=_Tuning(mla_wgmma=False))))),
         AttentionSuite("subbyte", "int4 / float4 e2m1 caches"),
-        CascadeSuite(), GraphsSuite(), HostSuite(), ServingSuite(),
+        CascadeSuite(), GeneralSuite(), GraphsSuite(), HostSuite(), ServingSuite(),
     ]
     return {s.name: s for s in sorted(suites, key=lambda s: SUITE_ORDER.index(s.name))}
