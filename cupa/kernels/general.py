@@ -214,7 +214,7 @@ class GeneralBackend(CudaBackend):
     def specializations(self) -> list:
         specs = []
         for dtype in types.ACT_CXX:
-            for kind in types.CACHE_CXX:
+            for kind in types.BYTE_KINDS:
                 specs.append(registry.prologue_spec(dtype, kind))
                 for cpl, chunks in SIMT_SHAPES.items():
                     specs.extend(registry.general_simt_spec(dtype, kind, gt, cpl) for gt in chunks)
