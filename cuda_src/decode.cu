@@ -9,7 +9,7 @@
 // Each subgroup keeps its own online-softmax state; states are merged in a fixed order
 // (xor tree within the warp, warps 0..3 in the CTA), then either finalized into `out` (the
 // token's only split with admitted keys) or written as a partial (m, l, o) that the last split
-// CTA to finish merges (epilogue.cuh).
+// CTA to finish merges (epilogue.cuh); `lse`, when asked for, is written where the output is.
 // Host values that size the launch: token_count, head counts, num_splits (from the static
 // capacity or the attention_metadata bound) and chunk (static); none enters a mask.
 #include "common.cuh"
@@ -42,6 +42,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
     const int* __restrict__ query_positions, const T* __restrict__ head_sink,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
     T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ counters,
+    float* __restrict__ lse,
     int num_heads, int kv_num_heads, int head_size, int batch_size, int num_blocks, int block_size,
     int max_blocks, int chunk, int num_splits, int rotary_max_pos, float scale, float softcap,
     int window, int is_causal, int k_quant, int v_quant, int q_is_input) {
@@ -182,8 +183,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
   __syncthreads();
 
   store_rows<T>(&sm_m[0][0], &sm_l[0][0], &sm_o[0][0][0], DECODE_WARPS, GT, MAX_HEAD_SIZE, nh, D, t, h0, H, g, split,
-                num_splits, direct, head_sink, v_scale, v_quant, out, part_o, part_ml);
+                num_splits, direct, head_sink, v_scale, v_quant, out, part_o, part_ml, lse);
   if (!direct)
     merge_splits_if_last<T>(counters + (long long)t * gridDim.y + blockIdx.y, &last_flag, s_first, s_last, nh, D, t,
-                            h0, H, g, num_splits, head_sink, v_scale, v_quant, out, part_o, part_ml);
+                            h0, H, g, num_splits, head_sink, v_scale, v_quant, out, part_o, part_ml, lse);
 }

@@ -8,9 +8,10 @@
 // state; the warps are merged in a fixed order, then finalized (the token's only split with
 // admitted keys) or written as a partial state that the last split CTA to finish merges
 // (epilogue.cuh). Reads: Q (the prologue's workspace or `query`), the caches through the block
-// table, cum / past_seqlens / query_positions, head_sink, the scales. Writes: `out`, or the split
-// partials and arrival counters. Host values that size the launch: token_count, head counts,
-// num_splits and chunk (see decode.cu); none enters a mask.
+// table, cum / past_seqlens / query_positions, head_sink, the scales. Writes: `out` (and `lse` when
+// asked for: where the output is finalized), or the split partials and arrival counters. Host values
+// that size the launch: token_count, head counts, num_splits and chunk (see decode.cu); none enters
+// a mask.
 //
 // 16-bit caches: K and V fragments come from XOR-swizzled tiles through ldmatrix (.trans for V).
 // 8-bit caches (int8, e4m3): codes stay codes in shared memory and are widened straight into
@@ -252,6 +253,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
     const int* __restrict__ query_positions, const T* __restrict__ head_sink,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
     T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ counters,
+    float* __restrict__ lse,
     int num_heads, int kv_num_heads, int batch_size, int num_blocks, int block_size,
     int max_blocks, int chunk, int num_splits, int rotary_max_pos, float scale, float softcap,
     int window, int is_causal, int k_quant, int v_quant, int q_is_input) {
@@ -736,9 +738,9 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   }
 
   store_rows<T>(cm, cl, co, MMA_WARPS, MMA_ROWS, D + 4, nh, D, t, h0, H, g, split, num_splits, direct, head_sink,
-                v_scale, v_quant, out, part_o, part_ml);
+                v_scale, v_quant, out, part_o, part_ml, lse);
   if (!direct)
     merge_splits_if_last<T, D / 32, 4>(counters + (long long)t * gridDim.y + blockIdx.y, reinterpret_cast<int*>(sRows),
                                        s_first, s_last, nh, D, t, h0, H, g, num_splits, head_sink, v_scale, v_quant, out,
-                                       part_o, part_ml);
+                                       part_o, part_ml, lse);
 }

@@ -9,6 +9,8 @@
 #include "softmax.cuh"
 
 // Row r of warp w: m at m_at[w * row_stride + r], l likewise, o at o_at[(w * row_stride + r) * o_stride + d].
+// lse (null unless the call asks for it): (N, num_heads) float32, written where the output is finalized
+// (the direct path here, the last split's merge below), from the state the output is made of.
 // Rows are query heads h0 .. h0 + rows - 1 of token t (KV head g). Called by every thread of the CTA
 // (num_warps >= 2). First one thread per row merges the row's max and sum and turns each warp's m
 // into its weight exp(m - M) in place (l_at's first two warp rows then hold the row's L and M), then
@@ -17,7 +19,7 @@ template <typename T>
 CUPA_DEVICE void store_rows(float* m_at, float* l_at, const float* o_at, int num_warps, int row_stride,
                             int o_stride, int rows, int head_size, int t, int h0, int num_heads, int g, int split,
                             int num_splits, bool direct, const T* head_sink, const float* v_scale, int v_quant, T* out,
-                            float* part_o, float2* part_ml) {
+                            float* part_o, float2* part_ml, float* lse) {
   const int D = head_size;
   for (int r = threadIdx.x; r < rows; r += blockDim.x) {
     float M = CUPA_NEG_INF;
@@ -30,6 +32,7 @@ CUPA_DEVICE void store_rows(float* m_at, float* l_at, const float* o_at, int num
     }
     l_at[r] = L;
     l_at[row_stride + r] = M;
+    if (direct && lse) lse[(long long)t * num_heads + h0 + r] = state_lse(M, L);
   }
   __syncthreads();
   for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {

@@ -101,7 +101,8 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
   __shared__ int sTok[ROWS];   // packed token of each row, -1: not this CTA's row
   __shared__ int sHead[ROWS];  // query head of each row (g*G + row % G)
   __shared__ int sLo[ROWS], sHi[ROWS];  // admitted key range of each row within this split (empty: 0, 0)
-  __shared__ int sRangeLo[WARPS], sRangeHi[WARPS];
+  constexpr int LOCATORS = ROWS / 32;   // the warps that locate the rows (thread r: row r)
+  __shared__ int sRangeLo[LOCATORS], sRangeHi[LOCATORS];  // per locating warp: the union of its rows' ranges
   T* sQ = reinterpret_cast<T*>(smem);
   unsigned char* stages = smem + L::q_bytes;
   T* sKw = reinterpret_cast<T*>(stages + NST * L::stage_bytes);  // widened tiles (quantized only)
@@ -145,9 +146,9 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
     }
   }
   __syncthreads();
-  int klo = RANGE_NONE_LO, khi = RANGE_NONE_HI;  // the union of the rows' ranges
+  int klo = RANGE_NONE_LO, khi = RANGE_NONE_HI;  // the union of the rows' ranges (the locating warps' entries)
 #pragma unroll
-  for (int w = 0; w < WARPS; ++w) {
+  for (int w = 0; w < LOCATORS; ++w) {
     klo = min(klo, sRangeLo[w]);
     khi = max(khi, sRangeHi[w]);
   }

@@ -28,8 +28,9 @@
 // see the most keys). The zero-pass CTAs zero the rows of tokens no sequence owns.
 // Reads: Q (the prologue's workspace or `query`), the caches through the block table (or new K/V
 // from key / value: NewKeys), cum / past_seqlens / query_positions, head_sink, the scales. Writes:
-// `out`. Host values that size the launch: token_count, batch_size, head counts and the tile
-// (TILE_ROWS x TILE_KEYS); none enters a mask.
+// `out`, and `lse` when asked for (non-null: each row's log-sum-exp, from the epilogue's row max and
+// sum; -inf for the zero pass's tokens). Host values that size the launch: token_count, batch_size,
+// head counts and the tile (TILE_ROWS x TILE_KEYS); none enters a mask.
 #include "common.cuh"
 #include "mma.cuh"
 #include "paged.cuh"
@@ -90,8 +91,8 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
     const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
     const int* __restrict__ query_positions, const T* __restrict__ head_sink,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, T* __restrict__ out,
-    int token_count, int num_heads, int kv_num_heads, int batch_size, int num_blocks, int block_size,
-    int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
+    float* __restrict__ lse, int token_count, int num_heads, int kv_num_heads, int batch_size, int num_blocks,
+    int block_size, int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
     float softcap, int window, int is_causal, int k_quant, int v_quant) {
   using Cfg = PrefillConfig<D, TILE_ROWS, TILE_KEYS>;
   using L = PrefillSmem<T, Cache, D, TILE_ROWS, TILE_KEYS>;
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   const bool kv_new = !Cache::quantized && key != nullptr;  // (a quantized cache never gets them)
   if (!kv_new || blockIdx.x == 0) grid_dependency_wait();
   if ((int)blockIdx.x < zero_ctas) {
-    prefill_zero_pass<T, WARPS>(out, cum, batch_size, token_count, num_heads, D);
+    prefill_zero_pass<T, WARPS>(out, cum, batch_size, token_count, num_heads, D, lse);
     return;
   }
 
@@ -610,6 +611,16 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
         const float x1 = live ? o[m][n][2 * hf + 1] * factor * vs1 : 0.0f;
         *reinterpret_cast<unsigned*>(sQ + swz<D>(row, d)) = Mma<T>::pack(x0, x1);
       }
+    }
+  }
+  // The rows' log-sum-exp (when asked for), once the accumulators are in sQ: one lane of each quad.
+  if (lse && (lane & 3) == 0) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int row = my_row(i);
+      if (sTok[row] >= 0)
+        lse[(long long)sTok[row] * H + sHead[row]] =
+            sHi[row] > sLo[row] ? state_lse(row_max[i] * CUPA_LN2, row_sum[i]) : CUPA_NEG_INF;
     }
   }
   __syncwarp();

@@ -177,11 +177,12 @@ CUPA_DEVICE void locate_tile_row(const RowTile& rt, int r, int g, int group, con
 }
 
 // The zero pass: CTA z zeroes the output rows of the tokens in [z*THREADS, (z+1)*THREADS) that no
-// sequence owns (t >= cum[B], or cum[find_owner(t)] > t). The attention CTAs write exactly the
-// rows of owned tokens, so every output element is written once per call.
+// sequence owns (t >= cum[B], or cum[find_owner(t)] > t), and sets their lse rows to -inf when lse is
+// given. The attention CTAs write exactly the rows of owned tokens, so every output element is
+// written once per call.
 template <typename T, int WARPS>
 CUPA_DEVICE void prefill_zero_pass(T* __restrict__ out, const int* __restrict__ cum, int batch_size, int token_count,
-                                   int num_heads, int head_size) {
+                                   int num_heads, int head_size, float* __restrict__ lse = nullptr) {
   constexpr int THREADS = WARPS * 32;
   __shared__ int unowned[THREADS];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -199,5 +200,7 @@ CUPA_DEVICE void prefill_zero_pass(T* __restrict__ out, const int* __restrict__ 
     if (!unowned[i]) continue;
     uint4* row = reinterpret_cast<uint4*>(out + (t0 + i) * num_heads * head_size);
     for (long long c = lane; c < row_chunks; c += 32) row[c] = make_uint4(0u, 0u, 0u, 0u);
+    if (lse)
+      for (int h = lane; h < num_heads; h += 32) lse[(t0 + i) * num_heads + h] = CUPA_NEG_INF;
   }
 }

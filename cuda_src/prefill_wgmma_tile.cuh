@@ -111,11 +111,13 @@ CUPA_DEVICE void wg_softmax_tile(float (&s)[KEYS / 2], float (&o)[D / 2], unsign
 
 // Epilogue of one warp's 16 rows (row0 = 16 warp + lane / 4 and row0 + 8 for this thread): finalize
 // them into their rows of the [ROWS][128] swizzled tile sO (as T; the caller has made sure no wgmma
-// still reads those rows), then store the warp's whole rows of owned tokens (tok_row >= 0) to out.
+// still reads those rows), then store the warp's whole rows of owned tokens (tok_row >= 0) to out, and
+// their log-sum-exp to lse when it is asked for (non-null).
 template <typename T, int ROWS, int D>
 CUPA_DEVICE void wg_store_rows(const float (&o)[D / 2], const float (&row_max)[2], float (&row_sum)[2], int warp_row,
                                int lane, unsigned char* sO, const int* lo_row, const int* hi_row, const int* head_row,
-                               const int* tok_row, const T* __restrict__ head_sink, T* __restrict__ out, int H) {
+                               const int* tok_row, const T* __restrict__ head_sink, T* __restrict__ out,
+                               float* __restrict__ lse, int H) {
   const bool has_sink = head_sink != nullptr;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -135,6 +137,15 @@ CUPA_DEVICE void wg_store_rows(const float (&o)[D / 2], const float (&row_max)[2
       const int d = n * 8 + (lane & 3) * 2;
       const float x0 = live ? o[4 * n + 2 * hf] * factor : 0.0f, x1 = live ? o[4 * n + 2 * hf + 1] * factor : 0.0f;
       *reinterpret_cast<unsigned*>(sO + wg_off<ROWS>(row, d)) = Mma<T>::pack(x0, x1);
+    }
+  }
+  if (lse && (lane & 3) == 0) {  // the rows' log-sum-exp, when asked for: one lane of each quad
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int row = warp_row + (lane >> 2) + 8 * hf;
+      if (tok_row[row] >= 0)
+        lse[(long long)tok_row[row] * H + head_row[row]] =
+            hi_row[row] > lo_row[row] ? state_lse(row_max[hf] * CUPA_LN2, row_sum[hf]) : CUPA_NEG_INF;
     }
   }
   __syncwarp();

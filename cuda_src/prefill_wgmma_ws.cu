@@ -3,9 +3,10 @@
 // and one KV head, token-major), tile numbering over a ragged batch, zero pass and contract §4.4 rules of
 // paged_prefill (prefill.cu, prefill_tiles.cuh), with both products on wgmma. Reads: Q (the
 // prologue's workspace or `query`), the caches through the block table (or new K/V from key /
-// value: NewKeys), cum / past_seqlens / query_positions, head_sink. Writes: `out`. Host values that
-// size the launch: token_count, batch_size, head counts (num_tiles, zero_ctas) and the CTA count
-// (at most one per SM); none enters a mask.
+// value: NewKeys), cum / past_seqlens / query_positions, head_sink. Writes: `out`, and `lse` when
+// asked for (non-null: each row's log-sum-exp in the epilogue, -inf for unowned tokens in the zero
+// pass; no other pass over the keys). Host values that size the launch: token_count, batch_size,
+// head counts (num_tiles, zero_ctas) and the CTA count (at most one per SM); none enters a mask.
 //
 // One CTA per SM (512 threads, ~200 KB of shared memory) loops over the work items (row tile x, KV
 // head g; numbered heaviest first as the one-CTA-per-item kernels number their CTAs), round r taking
@@ -103,8 +104,8 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
     const int* __restrict__ query_positions, const T* __restrict__ head_sink,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, T* __restrict__ out,
-    int token_count, int num_heads, int kv_num_heads, int batch_size, int num_blocks, int block_size,
-    int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
+    float* __restrict__ lse, int token_count, int num_heads, int kv_num_heads, int batch_size, int num_blocks,
+    int block_size, int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
     float softcap, int window, int is_causal, int k_quant, int v_quant,
     // TMA: tensor maps of key_cache / value_cache as (D, Hk, slots) and of key / value as (D, Hk, tokens),
     // boxes of 64 x 1 x tma_box rows (cache) or 64 x 1 x 32 (inputs), 128B swizzle. tma_box: 0 (cache rows
@@ -128,7 +129,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   const bool kv_new = key != nullptr;
   if (!kv_new || blockIdx.x == 0) grid_dependency_wait();
   if ((int)blockIdx.x < zero_ctas) {
-    prefill_zero_pass<T, Cfg::THREADS / 32>(out, cum, batch_size, token_count, num_heads, D);
+    prefill_zero_pass<T, Cfg::THREADS / 32>(out, cum, batch_size, token_count, num_heads, D, lse);
     return;
   }
 
@@ -599,7 +600,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     // whole rows. The warpgroup barrier: every wgmma of the warpgroup (reading these rows) is complete.
     bar_sync(WS_BAR_WG + u, 128);
     wg_store_rows<T, ROWS, D>(o, row_max, row_sum, cw * 16, lane, smem + buf * L::q_bytes, lo_row, hi_row, sHead[buf],
-                              sTok[buf], head_sink, out, H);
+                              sTok[buf], head_sink, out, lse, H);
     mbar_arrive(q_empty(buf));  // the item's buffer and row data go back to the scheduler
   }
 }

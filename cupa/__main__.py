@@ -25,8 +25,7 @@ import ml_dtypes
 import numpy as np
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-#: Relative-error bound per T (contract §6): ||out - ref|| / ||ref||.
-TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}
+from cupa.contract import TOLERANCE  # noqa: E402  (the relative-error bound per T, contract §6)
 
 
 # -- info ---------------------------------------------------------------------------------------

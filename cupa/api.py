@@ -7,7 +7,7 @@ import operator
 from typing import Any
 
 from . import arrays, dispatch
-from .contract import INPUT_NAMES, Attributes, Problem, metadata_values, validate
+from .contract import INPUT_NAMES, Attributes, Problem, metadata_values, validate, validate_data
 from .errors import PagedAttentionError, fail
 from .options import Options, resolve as _resolve_options
 
@@ -21,6 +21,9 @@ _ALL_NONE = dict.fromkeys(INPUT_NAMES)
 #: plan memo entries kept per op (the memo is cleared when full)
 _MEMO_SIZE = 64
 _GET_TENSORS = operator.itemgetter(*_TENSOR_INPUTS)
+#: the inputs whose values Options(validate_data=True) checks (contract.validate_data)
+_DATA_CHECKED = ("cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping", "query_positions",
+                 "k_scale", "v_scale")
 
 
 def _describe(name: str, x):
@@ -32,6 +35,39 @@ def _describe(name: str, x):
     except (AttributeError, TypeError) as e:
         raise fail(name, f"a {type(x).__module__}.{type(x).__qualname__}",
                    "an array: NumPy, CuPy, or a CUDA array exposing __dlpack__ (PyTorch, JAX)") from e
+
+
+def bind_inputs(args: tuple, kwargs: dict) -> dict:
+    """Map positional (ONNX order) and keyword inputs to {name: value or None}; an unknown or repeated
+    name is a PagedAttentionError."""
+    n = len(args)
+    if n > _N_INPUTS:
+        raise PagedAttentionError(f"inputs: got {n} positional inputs; expected at most {_N_INPUTS} "
+                                  f"(the ONNX input order {list(INPUT_NAMES)})")
+    inputs = _ALL_NONE.copy()
+    inputs.update(zip(INPUT_NAMES, args))
+    if kwargs:
+        keys = kwargs.keys()
+        if keys <= _INPUT_SET and keys.isdisjoint(_POSITIONAL[n]):
+            inputs.update(kwargs)   # every name known, none given twice: what the loop below does
+        else:
+            _bind_keywords(inputs, n, kwargs)
+    return inputs
+
+
+def _bind_keywords(inputs: dict, n: int, kwargs: dict) -> None:
+    """Keyword inputs one by one, raising for the first unknown or repeated name."""
+    for name, value in kwargs.items():
+        pos = _INPUT_INDEX.get(name)
+        if pos is None:
+            hint = (" (an attribute: bind it in PagedAttention(...))" if name in Attributes.names()
+                    else "")
+            raise PagedAttentionError(f"{name}: got an unknown input name{hint}; "
+                                      f"expected one of {list(INPUT_NAMES)}")
+        if pos < n:
+            raise PagedAttentionError(f"{name}: got it both positionally (input {pos}) and by keyword; "
+                                      "expected it once")
+        inputs[name] = value
 
 
 class PagedAttention:
@@ -83,36 +119,7 @@ class PagedAttention:
         return f"PagedAttention({', '.join(parts)})"
 
     # -- planning -----------------------------------------------------------------
-    def _bind(self, args: tuple, kwargs: dict) -> dict:
-        """Map positional (ONNX order) and keyword inputs to {name: value or None}."""
-        n = len(args)
-        if n > _N_INPUTS:
-            raise PagedAttentionError(f"inputs: got {n} positional inputs; expected at most {_N_INPUTS} "
-                                      f"(the ONNX input order {list(INPUT_NAMES)})")
-        inputs = _ALL_NONE.copy()
-        inputs.update(zip(INPUT_NAMES, args))
-        if kwargs:
-            keys = kwargs.keys()
-            if keys <= _INPUT_SET and keys.isdisjoint(_POSITIONAL[n]):
-                inputs.update(kwargs)   # every name known, none given twice: what the loop below does
-            else:
-                self._bind_keywords(inputs, n, kwargs)
-        return inputs
-
-    @staticmethod
-    def _bind_keywords(inputs: dict, n: int, kwargs: dict) -> None:
-        """Keyword inputs one by one, raising for the first unknown or repeated name."""
-        for name, value in kwargs.items():
-            pos = _INPUT_INDEX.get(name)
-            if pos is None:
-                hint = (" (an attribute: bind it in PagedAttention(...))" if name in Attributes.names()
-                        else "")
-                raise PagedAttentionError(f"{name}: got an unknown input name{hint}; "
-                                          f"expected one of {list(INPUT_NAMES)}")
-            if pos < n:
-                raise PagedAttentionError(f"{name}: got it both positionally (input {pos}) and by keyword; "
-                                          "expected it once")
-            inputs[name] = value
+    _bind = staticmethod(bind_inputs)
 
     def _memo_entry(self, inputs: dict) -> list:
         """``[problem, plan or None]`` for the bound inputs, validating them on a memo miss.
@@ -185,6 +192,8 @@ class PagedAttention:
         plan = entry[1]
         if plan is None:
             plan = entry[1] = dispatch.make_plan(entry[0], inputs, self.options)
+        if self.options.validate_data:
+            validate_data(plan.problem, {name: arrays.to_host(inputs[name]) for name in _DATA_CHECKED})
         return plan.backend.run(plan, inputs, out, stream)
 
 

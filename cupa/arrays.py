@@ -502,35 +502,35 @@ def numpy_dtype(name: str):
     return np.dtype(name)
 
 
-def check_out(out, shape: tuple, dtype, query, device_id: Optional[int] = None):
+def check_out(out, shape: tuple, dtype, query, device_id: Optional[int] = None, name: str = "out"):
     """Check a preallocated ``out`` and return its zero-copy CuPy view (None stays None).
 
     ``out`` must be in the library of ``query`` (the call returns it as given), on the call's
     device, C-contiguous, of ``shape`` and of dtype ``dtype`` (a canonical name such as
-    ``"float16"``, or a NumPy dtype). Every violation is a PagedAttentionError naming ``out``.
+    ``"float16"``, or a NumPy dtype). Every violation is a PagedAttentionError naming ``name``.
     """
     if out is None:
         return None
     want = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     lib, qlib = library_of(out), library_of(query)
     if lib == "jax":
-        raise fail("out", "a JAX array", "no out= with JAX inputs (JAX arrays are immutable)")
+        raise fail(name, "a JAX array", f"no {name}= with JAX inputs (JAX arrays are immutable)")
     if lib != qlib:
-        raise fail("out", _what(out), f"a {qlib} array like query (the output is returned in query's library)")
+        raise fail(name, _what(out), f"a {qlib} array like query (the output is returned in query's library)")
     got_shape = tuple(int(d) for d in out.shape)
     if got_shape != tuple(shape):
-        raise fail("out", f"shape {got_shape}", f"shape {tuple(shape)}")
+        raise fail(name, f"shape {got_shape}", f"shape {tuple(shape)}")
     got = dtype_name(out)
     if got != want:
-        raise fail("out", f"dtype {got}", f"dtype {want}")
-    d = device_of(out, "out")
+        raise fail(name, f"dtype {got}", f"dtype {want}")
+    d = device_of(out, name)
     if device_id is None:
         device_id = device_of(query, "query")
     if d != device_id:
-        raise fail("out", f"an array on CUDA device {d}", f"CUDA device {device_id} like the inputs")
-    view = _view(out, lib, "out", d)
+        raise fail(name, f"an array on CUDA device {d}", f"CUDA device {device_id} like the inputs")
+    view = _view(out, lib, name, d)
     if not view.flags.c_contiguous:
-        raise fail("out", f"a non-contiguous array (shape {view.shape}, strides {view.strides})",
+        raise fail(name, f"a non-contiguous array (shape {view.shape}, strides {view.strides})",
                    "a C-contiguous array")
     return view
 
@@ -701,25 +701,43 @@ def host_view(x, name: str, cache: bool = False) -> np.ndarray:
     return view
 
 
-def host_out(out, like, shape: tuple, dtype: np.dtype) -> Optional[np.ndarray]:
+def to_host(x) -> Optional[np.ndarray]:
+    """A NumPy copy (device arrays: copied back, which synchronizes) or view (host arrays) of ``x``;
+    None stays None. For debugging checks only: never on a call's hot path."""
+    if x is None:
+        return None
+    if placement(x) == "host":
+        return host_view(x, "input")
+    lib = library_of(x)
+    if lib == "cupy":
+        return x.get()
+    if lib == "torch":
+        return x.detach().cpu().numpy()
+    return _cp().asnumpy(_cp().from_dlpack(x))
+
+
+def host_out(out, like, shape: tuple, dtype: np.dtype, name: str = "out",
+             shape_note: str = " (token_count, num_heads*v_head_size)") -> Optional[np.ndarray]:
     """The NumPy view of a preallocated CPU ``out`` in the library of ``like`` (None stays None),
-    checked for library, shape, dtype, contiguity and writeability (PagedAttentionError naming ``out``)."""
+    checked for library, shape, dtype, contiguity and writeability (PagedAttentionError naming ``name``;
+    ``shape_note`` follows the expected shape in the message)."""
     if out is None:
         return None
     lib, qlib = library_of(out), library_of(like)
     if lib != qlib:
-        raise fail("out", _what(out), f"a {qlib} array like query (the output is returned in query's library)")
+        raise fail(name, _what(out), f"a {qlib} array like query (the output is returned in query's library)")
     if lib == "jax":
-        raise fail("out", "a JAX array", "no out= with JAX inputs (JAX arrays are immutable)")
-    view = host_view(out, "out")
+        raise fail(name, "a JAX array", f"no {name}= with JAX inputs (JAX arrays are immutable)")
+    view = host_view(out, name)
     if tuple(view.shape) != tuple(shape):
-        raise fail("out", f"shape {tuple(view.shape)}", f"shape {tuple(shape)} (token_count, num_heads*v_head_size)")
+        raise fail(name, f"shape {tuple(view.shape)}", f"shape {tuple(shape)}{shape_note}")
     if view.dtype != dtype:
-        raise fail("out", f"dtype {dtype_name(out)}", f"dtype {np.dtype(dtype).name} (the query's type)")
+        like_query = " (the query's type)" if name == "out" else ""
+        raise fail(name, f"dtype {dtype_name(out)}", f"dtype {np.dtype(dtype).name}{like_query}")
     if not view.flags.c_contiguous:
-        raise fail("out", "a non-contiguous array", "a C-contiguous array")
+        raise fail(name, "a non-contiguous array", "a C-contiguous array")
     if not view.flags.writeable:
-        raise fail("out", "a read-only array", "a writeable array")
+        raise fail(name, "a read-only array", "a writeable array")
     return view
 
 

@@ -461,8 +461,8 @@ def compile_offline(spec: Specialization, arch: str = "sm_90", *, keep_cubin: bo
     OfflineResult
         ``ok`` False (with NVRTC's log) when NVRTC rejects the code.
     """
-    nvrtc = _nvrtc()
     options = offline_options(spec, arch)
+    nvrtc = _nvrtc()
     code = source_text(spec.filename, source_dir)
     start = time.perf_counter()
     prog = nvrtc.createProgram(code, spec.filename, [], [])

@@ -42,6 +42,9 @@ _CACHE_DTYPE = {"int8": "int8", "fp8": "float8e4m3fn", "int4": "int4", "fp4": "f
 
 #: float64 elements of one grid's scores (tokens x heads x keys): how many tokens share a grid
 SCORE_ELEMENTS = 1 << 23
+#: tokens of one grid row at most: every token of a row is scored against the keys of all of them,
+#: so a long causal row computes (then masks) about rows**2 / 2 pairs for nothing
+ROW_TOKENS = 128
 #: float64 elements of one gathered tile of keys or values (rows x keys x kv heads x head size)
 TILE_ELEMENTS = 1 << 18
 #: float64 elements of the prologue's temporaries (tokens x heads x head size)
@@ -341,18 +344,19 @@ class _Attention:
         G = pb.group_size
         self.head_of = np.arange(Hk)[:, None] * G + np.arange(G)[None, :]   # (Hk, G) -> query head
         self.row_keys = Hk * max(D, Dv)            # gathered elements per key of one grid row
-        self._scores = np.empty(0)                 # reused by every grid: fresh pages cost page faults
+        self._buffers = {}
 
     # -- grids ----------------------------------------------------------------------------------
     def _rows(self, tokens: np.ndarray) -> list:
-        """Consecutive runs of one sequence's attending tokens whose scores fit SCORE_ELEMENTS."""
+        """Consecutive runs of at most ROW_TOKENS of one sequence's attending tokens whose scores fit
+        SCORE_ELEMENTS."""
         lo, hi, H = self.tok.lo[tokens], self.tok.hi[tokens], self.pb.num_heads
         rows, i, n = [], 0, tokens.size
         while i < n:                           # a row is no longer than its first token's span allows
             ahead = slice(i, min(n, i + max(1, SCORE_ELEMENTS // (H * max(1, int(hi[i] - lo[i]))))))
             span = np.maximum.accumulate(hi[ahead]) - np.minimum.accumulate(lo[ahead])
             size = np.arange(1, span.size + 1) * H * span      # non-decreasing
-            m = max(1, int(np.count_nonzero(size <= SCORE_ELEMENTS)))
+            m = min(ROW_TOKENS, max(1, int(np.count_nonzero(size <= SCORE_ELEMENTS))))
             rows.append(tokens[i:i + m])
             i += m
         return rows
@@ -385,6 +389,15 @@ class _Attention:
         if group:
             yield _pad(group, longest)
 
+    def _buffer(self, name: str, shape: tuple) -> np.ndarray:
+        """A float64 array of ``shape`` in a buffer that every grid and tile reuses (a fresh array
+        of megabytes costs its page faults each time)."""
+        n = int(np.prod(shape))
+        buf = self._buffers.get(name)
+        if buf is None or buf.size < n:
+            buf = self._buffers[name] = np.empty(n)
+        return buf[:n].reshape(shape)
+
     def run(self) -> None:
         # NaN or Inf in an admitted row gives its tokens an unspecified result, without warnings
         with np.errstate(invalid="ignore", over="ignore"):
@@ -407,7 +420,8 @@ class _Attention:
             codes = codes[..., :width]
             if kind == "fp8" and codes.dtype == np.uint8:
                 codes = codes.view(_F8)
-            vals = codes.astype(np.float64)
+            vals = self._buffer("tile", codes.shape)           # valid until the next gather
+            np.copyto(vals, codes)
         if scale is not None:
             vals *= scale
         return vals
@@ -437,10 +451,7 @@ class _Attention:
         #    of its kv head; the scale is applied to q (a pass over q instead of one over s)
         q = self.q_T[grid].astype(np.float64).reshape(U, M, Hk, G, D) * pb.scale
         q = q.transpose(0, 2, 1, 3, 4).reshape(U, Hk, M * G, D)
-        size = U * Hk * M * G * Kc
-        if self._scores.size < size:
-            self._scores = np.empty(size)
-        s = self._scores[:size].reshape(U, Hk, M * G, Kc)
+        s = self._buffer("scores", (U, Hk, M * G, Kc))
         for k0 in range(0, Kc, tile):
             t = slice(k0, k0 + tile)
             keys = self.gather(self.key_rows, slots[:, t], needed[:, t], self.k_scale, D, pb.cache_kind)

@@ -58,3 +58,20 @@ def pytest_runtest_makereport(item, call):
     seed = getattr(item, "cupa_seed", None)
     if seed is not None and report.failed:
         report.sections.append(("cupa seed", f"replay with CUPA_TEST_SEED={seed}"))
+
+
+@pytest.fixture(scope="module")
+def cp():
+    """CuPy (GPU tests only: the gpu marker has skipped the test where no device is usable)."""
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def torch_cuda():
+    """torch with a CUDA device, or a skip."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    return torch

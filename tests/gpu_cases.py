@@ -19,7 +19,7 @@ NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": n
 #: The cupa.Options every case of :func:`build` runs with (its attrs carry them); a test module's fixture
 #: sets it (monkeypatch) to run its cases with another backend or launch route.
 OPTIONS = None
-TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}
+from cupa.contract import TOLERANCE  # noqa: E402  (the one tolerance table, contract §6)
 
 
 def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=None, past=None,

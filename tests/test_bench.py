@@ -53,8 +53,12 @@ def test_smoke_json_schema(smoke):
     for name in ("decode", "prefill", "chunked", "mixed", "mla", "subbyte"):
         assert suites[name]["status"] == "ran", name
     assert suites["graphs"]["status"] == "skipped" and "CUDA" in suites["graphs"]["reason"]
-    if not hasattr(cupa, "merge_states"):
-        assert suites["cascade"]["status"] == "skipped" and "merge_states" in suites["cascade"]["reason"]
+    if hasattr(cupa, "CascadeAttention"):
+        assert suites["cascade"]["status"] == "ran"
+        cascade = [r for r in payload["cases"] if r["suite"] == "cascade"]
+        assert cascade and all(r["cupa"]["rel_err_vs_plain"] < 2e-3 for r in cascade)
+    else:
+        assert suites["cascade"]["status"] == "skipped" and "CascadeAttention" in suites["cascade"]["reason"]
     ids = [r["id"] for r in payload["cases"]]
     assert len(ids) == len(set(ids))
     expected = {c.id for s in ("decode", "prefill", "chunked", "mixed", "mla", "subbyte")

@@ -88,16 +88,28 @@ def test_float32_and_decode_shaped_calls_go_to_decode(rng):
 
 def test_features_no_fused_backend_serves_are_said_once(rng):
     inputs, _ = gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
-    op = cupa.PagedAttention(num_heads=8, kv_num_heads=2, return_lse=True)
+    op = cupa.PagedAttention(num_heads=8, kv_num_heads=2, qk_output=1)
     problem = op._problem(op._bind((), inputs))
     with pytest.raises(cupa.PagedAttentionError, match="no CUDA backend serves this call"):
         dispatch.choose(problem, H200, DEFAULT)
     lines = dispatch.account(problem, H200, DEFAULT).splitlines()
-    reason = "return_lse is not served here (the general backend serves it)"
-    declining = [b for b in dispatch.cuda_backends() if "return_lse" not in b.serves]
-    said = [line for line in lines if line.endswith(f"not eligible: {reason}")]
+    reason = "output_qk (qk_output != 0) is not served here (the general backend serves it)"
+    declining = [b for b in dispatch.cuda_backends() if "output_qk" not in b.serves]
+    said = [line for line in lines if f"not eligible: {reason}" in line]
     assert len(said) == len(declining)
     assert sum(reason in line for line in lines) == len(declining) + 1
+
+
+def test_every_cuda_backend_serves_return_lse(rng):
+    for q_lens, past in (([40, 30], [10, 0]), ([1, 1, 1], [100, 7, 3000])):
+        inputs, _ = gc.build(rng, q_lens=q_lens, past=past, H=8, Hk=2, D=128)
+        with_lse = cupa.PagedAttention(num_heads=8, kv_num_heads=2, return_lse=True)
+        plain = cupa.PagedAttention(num_heads=8, kv_num_heads=2)
+        problem = with_lse._problem(with_lse._bind((), inputs))
+        assert (dispatch.choose(problem, H200, DEFAULT).name
+                == dispatch.choose(plain._problem(plain._bind((), inputs)), H200, DEFAULT).name)
+    for backend in dispatch.cuda_backends():
+        assert "return_lse" in backend.serves, backend.name
 
 
 def test_unverified_backends_are_never_chosen_by_default(rng, monkeypatch):
@@ -144,6 +156,10 @@ def test_pinned_specializations_and_compile_tasks():
 
 
 def test_pinned_cache_key_follows_options_and_source():
+    try:
+        jit.nvrtc_version()   # (part of the key)
+    except Exception as exc:  # no CuPy or no libnvrtc
+        pytest.skip(f"NVRTC unavailable: {exc}")
     a = registry.prefill_wgmma_ws_spec("float16")
     b = jit.Specialization(a.family, a.name_expression, ("-DCUPA_TEST_ONLY=1",), arch=a.arch)
     assert jit.pinned_cache_key(a) == jit.pinned_cache_key(a) != jit.pinned_cache_key(b)

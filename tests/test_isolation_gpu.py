@@ -2,7 +2,8 @@
 
 The cases of tests/isolation.py (every mask kind; same tile and chunk, other sequences of the batch;
 NaN/Inf in cache rows and in the new K/V) run on CuPy arrays on one named backend
-(``cupa.Options(backend=...)``), once clean and once poisoned. The clean run must match the reference
+(``cupa.Options(backend=...)``: decode, prefill, prefill_wgmma, and mla and general where they
+serve the case), once clean and once poisoned. The clean run must match the reference
 (contract §6 tolerance, every element written); in the poisoned run every token that admits no
 poisoned row must be bit-identical to the clean run: output, and output_qk and lse where the backend
 serves them. A backend that does not serve a case skips it with its reasons.
@@ -18,10 +19,10 @@ from tests import isolation, util
 
 pytestmark = pytest.mark.gpu
 
-BACKENDS = ("decode", "prefill", "prefill_wgmma")
+BACKENDS = ("decode", "prefill", "prefill_wgmma", "mla", "general")
 #: the CUDA-side cache kinds (CuPy holds fp8 as e4m3 bytes)
 CACHES = tuple(c for c in isolation.CACHES if c[0] != "fp8")
-MASKS = tuple(m for m in isolation.MASKS if m != "latent")
+MASKS = isolation.MASKS
 
 
 @pytest.fixture(scope="module")

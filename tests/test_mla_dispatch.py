@@ -47,10 +47,11 @@ def latent_problem(*, N=64, B=64, H=128, L=4096, block_size=64, dtype="float16",
 def test_mla_comes_before_decode_and_serves_latent_and_lse():
     names = [b.name for b in dispatch.cuda_backends()]
     assert names.index("mla") < names.index("decode")
-    assert mla.BACKEND.serves == {"latent", "return_lse"} and not mla.BACKEND.verified
+    assert mla.BACKEND.serves == {"latent", "return_lse"} and mla.BACKEND.verified
 
 
-def test_not_chosen_by_default_while_unverified_and_selectable_by_name():
+def test_not_chosen_by_default_while_unverified_and_selectable_by_name(monkeypatch):
+    monkeypatch.setattr(mla.BACKEND, "verified", False)
     p = latent_problem()
     with pytest.raises(cupa.PagedAttentionError, match="no CUDA backend serves this call"):
         dispatch.choose(p, H200, DEFAULT)

@@ -186,12 +186,13 @@ def test_random_feature_combinations(rng):
             raise AssertionError(f"options {opts}, return_lse={return_lse}: {exc}") from exc
 
 
-@pytest.mark.parametrize("scores,tile", [(3000, 700), (50000, 64), (1, 1), (1 << 23, 1 << 30)])
-def test_chunking_paths(rng, monkeypatch, scores, tile):
-    """Tiny score and tile budgets exercise every split: rows of one token, one key per tile,
+@pytest.mark.parametrize("scores,tile,row", [(3000, 700, 128), (50000, 64, 4), (1, 1, 128), (1 << 23, 1 << 30, 3)])
+def test_chunking_paths(rng, monkeypatch, scores, tile, row):
+    """Tiny score, tile and row budgets exercise every split: rows of one token, one key per tile,
     packed grids, long rows alone; a huge tile packs every row into one grid."""
     monkeypatch.setattr(reference, "SCORE_ELEMENTS", scores)
     monkeypatch.setattr(reference, "TILE_ELEMENTS", tile)
+    monkeypatch.setattr(reference, "ROW_TOKENS", row)
     monkeypatch.setattr(reference, "PROLOGUE_ELEMENTS", max(1, scores // 8))
     case = util.make_case(rng, q_lens=(11, 1, 2, 0, 3, 9), past=(4, 20, 0, 7, 33, 0), rotary="half",
                           sink=True, bias=(False, False), qk_output=1, window=int(rng.choice([-1, 4])))

@@ -129,7 +129,7 @@ def _launch_floor(op, args, md, out):
     inputs = dict.fromkeys(INPUT_NAMES)
     inputs.update(zip(INPUT_NAMES, args), attention_metadata=md)
     call = launch.prepare(plan.problem, inputs, out, None)
-    ptrs = call.ptrs + [0, call.output_ptr, 0, 0, 0]
+    ptrs = call.ptrs + [0, call.output_ptr, 0, 0, 0, call.lse_ptr]   # the decode backend's pointer list
     stream_ptr = call.stream.ptr
     return lambda: recipe.launches(ptrs, stream_ptr)
 

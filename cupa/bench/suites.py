@@ -206,15 +206,17 @@ def _memory_bound(case: Case, rooflines: dict) -> bool:
 
 
 class CascadeSuite(Suite):
-    """Decode over a prefix shared by every sequence: one plain paged call (each block table starts with
-    the shared blocks) against the cascade -- the shared prefix attended once by all B queries as one
-    non-causal sequence (writes skipped: slot_mapping -1), each sequence's own suffix, and
-    ``cupa.merge_states`` of the two partial states (needs ``return_lse``)."""
+    """Decode over a prefix shared by every sequence: ``cupa.CascadeAttention`` -- the shared prefix
+    attended once for all B queries, each sequence's own suffix, ``cupa.merge_states`` of the two --
+    against one plain paged call on the same inputs (every block table starts with the shared blocks).
+    cupa's entry is the cascade with its own prefix form; the variants are each prefix form named
+    ("heads", "tokens") and the plain call, with its speedup ``plain / cascade`` (target: >= 5x on
+    B=64, prefix 8192, suffix 256)."""
 
     name = "cascade"
-    description = "shared-prefix decode: cascade (prefix once + suffix + merge_states) vs plain paged"
-    CASES = {"full": [(64, 8192, 512), (128, 32768, 1024), (32, 4096, 4096)], "quick": [(64, 8192, 512)],
-             "smoke": [(3, 16, 6)]}
+    description = "shared-prefix decode: cupa.CascadeAttention (prefix once + suffix + merge_states) vs plain paged"
+    CASES = {"full": [(64, 8192, 256), (64, 8192, 512), (128, 32768, 1024), (32, 4096, 4096)],
+             "quick": [(64, 8192, 256)], "smoke": [(3, 16, 6)]}
 
     def items(self, size: str) -> list:
         extra = sweeps.SMOKE if size == "smoke" else {}
@@ -223,8 +225,8 @@ class CascadeSuite(Suite):
                      block_size=bs, **extra).items()))) for B, P, S in self.CASES[size]]
 
     def skip_reason(self, ctx: Context) -> Optional[str]:
-        if not hasattr(cupa, "merge_states"):
-            return "cupa.merge_states is not part of this build (the cascade suite needs it)"
+        if not hasattr(cupa, "CascadeAttention"):
+            return "cupa.CascadeAttention is not part of this build (the cascade suite needs it)"
         return None
 
     def run(self, step: Step, ctx: Context) -> dict:
@@ -235,55 +237,51 @@ class CascadeSuite(Suite):
         H, Hk, D = p.get("num_heads", 32), p.get("kv_num_heads", 8), p.get("head_size", 128)
         rec = base_record(step)
         rec["bytes"] = 2 * Hk * D * 2 * (P + B * S)     # fp16 K and V: the prefix once, each suffix
+        rec["flops"] = 4.0 * H * D * B * (P + S)        # every query against every key, as the plain call
         rng = np.random.default_rng(ctx.seed)
         nbp, nbs = math.ceil(P / bs), math.ceil(S / bs)
         perm = rng.permutation(nbp + B * nbs).astype(np.int32)
         shared, own = perm[:nbp], perm[nbp:].reshape(B, nbs)
         shape = (nbp + B * nbs, bs, Hk, D)
         normal = lambda s: xp.asarray(rng.standard_normal(s, dtype=np.float32).astype(np.float16))  # noqa: E731
-        kc, vc = normal(shape), normal(shape)
-        q, k, v = normal((B, H * D)), normal((B, Hk * D)), normal((B, Hk * D))
-        arange = xp.asarray(np.arange(B + 1, dtype=np.int32))
-        plain_bt = xp.asarray(np.concatenate([np.broadcast_to(shared, (B, nbp)), own], axis=1))
+        table = np.full((B, 2 * (nbp + nbs)), -1, dtype=np.int32)     # sized for twice the longest sequence
+        table[:, :nbp + nbs] = np.concatenate([np.broadcast_to(shared, (B, nbp)), own], axis=1)
+        inputs = dict(query=normal((B, H * D)), key=normal((B, Hk * D)), value=normal((B, Hk * D)),
+                      key_cache=normal(shape), value_cache=normal(shape),
+                      cumulative_sequence_length=xp.asarray(np.arange(B + 1, dtype=np.int32)),
+                      past_seqlens=xp.asarray(np.full(B, P + S - 1, dtype=np.int32)), block_table=xp.asarray(table),
+                      attention_metadata=np.array([1, P + S], dtype=np.int32))
         plain = cupa.PagedAttention(num_heads=H, kv_num_heads=Hk)
-        prefix = cupa.PagedAttention(num_heads=H, kv_num_heads=Hk, is_causal=0, return_lse=True)
-        suffix = cupa.PagedAttention(num_heads=H, kv_num_heads=Hk, return_lse=True)
-        past_plain = xp.asarray(np.full(B, P + S - 1, dtype=np.int32))
-        prefix_in = dict(query=q, key=k, value=v, key_cache=kc, value_cache=vc,
-                         cumulative_sequence_length=xp.asarray(np.array([0, B], dtype=np.int32)),
-                         past_seqlens=xp.asarray(np.array([P - B], dtype=np.int32)),
-                         block_table=xp.asarray(shared[None, :]),
-                         slot_mapping=xp.asarray(np.full(B, -1, dtype=np.int32)),
-                         attention_metadata=np.array([B, P], dtype=np.int32))
-        suffix_in = dict(query=q, key=k, value=v, key_cache=kc, value_cache=vc, cumulative_sequence_length=arange,
-                         past_seqlens=xp.asarray(np.full(B, S - 1, dtype=np.int32)), block_table=xp.asarray(own),
-                         attention_metadata=np.array([1, S], dtype=np.int32))
-        result = {}
-
-        def cascade():
-            o1, l1 = prefix(**prefix_in)
-            o2, l2 = suffix(**suffix_in)
-            result["o"] = cupa.merge_states([o1, o2], [l1, l2])
-
-        def plain_call():
-            result["plain"] = plain(q, k, v, kc, vc, arange, past_plain, plain_bt,
-                                    attention_metadata=np.array([1, P + S], dtype=np.int32))
-
+        calls = {"cupa": cupa.CascadeAttention(prefix_len=P, num_heads=H, kv_num_heads=Hk)}
+        for mode in ("heads", "tokens"):
+            calls[mode] = cupa.CascadeAttention(prefix_len=P, prefix_mode=mode, num_heads=H, kv_num_heads=Hk)
+        calls["plain paged"] = plain
+        outputs = {label: xp.empty_like(inputs["query"]) for label in calls}
         with rt.stream_context():
-            for label, fn, slot in (("cupa", cascade, None), ("plain paged", plain_call, "variants")):
+            for label, op in calls.items():
+                out = outputs[label]
                 try:
-                    entry = {"status": "ok", **rt.time_us(fn, ctx.reps)}
+                    if label == "plain paged":
+                        backend = op.plan(**inputs).backend.name
+                    else:
+                        backend = "+".join(dict.fromkeys(op.backends(**inputs)))   # prefix+suffix, once if one
+                    entry = {"status": "ok", "backend": backend,
+                             **rt.time_us(lambda op=op, out=out: op(**inputs, out=out), ctx.reps)}
+                    if label != "plain paged":
+                        entry["describe"] = op.describe(**inputs)
                 except cupa.PagedAttentionError as exc:
                     entry = {"status": "not served", "reason": str(exc)}
                 except Exception as exc:
                     entry = {"status": "error", "reason": error_text(exc)}
-                if slot is None:
+                if label == "cupa":
                     rec["cupa"] = entry
                 else:
                     rec["variants"][label] = entry
-            if "o" in result and "plain" in result:
-                merged = result["o"][0] if isinstance(result["o"], tuple) else result["o"]
-                rec["variants"]["plain paged"]["rel_err_vs_cupa"] = rel_err(merged, result["plain"])
+            plain_entry = rec["variants"]["plain paged"]
+            for label, entry in [("cupa", rec["cupa"])] + [(m, rec["variants"][m]) for m in ("heads", "tokens")]:
+                if entry["status"] == "ok" and plain_entry["status"] == "ok":
+                    entry["rel_err_vs_plain"] = rel_err(outputs["plain paged"], outputs[label])
+                    entry["speedup_vs_plain"] = plain_entry["median_us"] / entry["median_us"]
         rt.free()
         return rec
 

@@ -97,6 +97,7 @@ def split_plan(problem: Problem, sm_count: int, options: Options) -> tuple:
 
 class DecodeBackend(CudaBackend):
     name = "decode"
+    serves = frozenset({"return_lse"})
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         reasons = []
@@ -155,9 +156,10 @@ class DecodeBackend(CudaBackend):
             ws = launch.workspace(r.nbytes) if r.nbytes else None
             base = ws.ptr if ws is not None else 0
             if r.split:
-                ptrs = call.ptrs + [base, call.output_ptr, base + r.part_o, base + r.part_ml, base + r.counters]
+                ptrs = call.ptrs + [base, call.output_ptr, base + r.part_o, base + r.part_ml, base + r.counters,
+                                    call.lse_ptr]
             else:
-                ptrs = call.ptrs + [base, call.output_ptr, 0, 0, 0]
+                ptrs = call.ptrs + [base, call.output_ptr, 0, 0, 0, call.lse_ptr]
             r.launches(ptrs, call.stream.ptr)
         return call.finish()
 
@@ -217,16 +219,16 @@ class _Recipe:
     __slots__ = ("launches", "split", "nbytes", "part_o", "part_ml", "counters")
 
 
-# Pointer arguments, as positions in Call.ptrs extended by [q workspace, output, part_o, part_ml, counters].
-_Q_WS, _OUT, _PART_O, _PART_ML, _COUNTERS = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 5)
-_NPOINTERS = len(launch.PTR_INDEX) + 5
+# Pointer arguments, as positions in Call.ptrs extended by [q workspace, output, part_o, part_ml, counters, lse].
+_Q_WS, _OUT, _PART_O, _PART_ML, _COUNTERS, _LSE = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 6)
+_NPOINTERS = len(launch.PTR_INDEX) + 6
 _I = launch.PTR_INDEX
 _PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS, _COUNTERS)
 # paged_decode / paged_decode_mma: q, key_cache, value_cache, cum, past, block_table, query_positions,
-# head_sink, k_scale, v_scale, out, part_o, part_ml, counters
+# head_sink, k_scale, v_scale, out, part_o, part_ml, counters, lse (0 unless the call asks for it)
 _DECODE_POINTERS = (_Q_WS, _I["key_cache"], _I["value_cache"], _I["cumulative_sequence_length"],
                     _I["past_seqlens"], _I["block_table"], _I["query_positions"], _I["head_sink"], _I["k_scale"],
-                    _I["v_scale"], _OUT, _PART_O, _PART_ML, _COUNTERS)
+                    _I["v_scale"], _OUT, _PART_O, _PART_ML, _COUNTERS, _LSE)
 
 
 BACKEND = DecodeBackend()

@@ -130,6 +130,7 @@ def prologue_phrase(problem: Problem, device: DeviceInfo, options: Options) -> s
 
 class PrefillBackend(CudaBackend):
     name = "prefill"
+    serves = frozenset({"return_lse"})
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         p, reasons = problem, []
@@ -182,8 +183,8 @@ class PrefillBackend(CudaBackend):
             # The Q workspace (none when the kernel reads `query` itself), held by `ws` until the launches
             # are enqueued, and by a capture for the graph's life.
             ws = launch.workspace(r.q_bytes) if r.q_bytes else None
-            r.launches(call.ptrs + [ws.ptr if ws is not None else 0, call.output_ptr, 0], call.stream.ptr,
-                       r.maps(call.ptrs) if r.maps is not None else ())
+            r.launches(call.ptrs + [ws.ptr if ws is not None else 0, call.output_ptr, 0, call.lse_ptr],
+                       call.stream.ptr, r.maps(call.ptrs) if r.maps is not None else ())
         return call.finish()
 
     # The kernel, launch plan and shared memory of a call on a device: the wgmma backend swaps these.
@@ -247,16 +248,16 @@ class _Recipe:
     __slots__ = ("launches", "q_bytes", "maps")
 
 
-# Pointer arguments, as positions in Call.ptrs extended by [Q workspace, output, a null pointer].
-_Q_WS, _OUT, _NULL = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 3)
-_NPOINTERS = len(launch.PTR_INDEX) + 3
+# Pointer arguments, as positions in Call.ptrs extended by [Q workspace, output, a null pointer, lse].
+_Q_WS, _OUT, _NULL, _LSE = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 4)
+_NPOINTERS = len(launch.PTR_INDEX) + 4
 _I = launch.PTR_INDEX
 # The prologue: its inputs, the Q workspace, and no split counters (null).
 _PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS, _NULL)
 # paged_prefill / paged_prefill_wgmma: q, key, value (null unless kv_from_inputs), key_cache, value_cache, cum,
-# past, block_table, query_positions, head_sink, k_scale, v_scale, out
+# past, block_table, query_positions, head_sink, k_scale, v_scale, out, lse (0 unless the call asks for it)
 _ATTEND_POINTERS = (_Q_WS, _NULL, _NULL, _I["key_cache"], _I["value_cache"], _I["cumulative_sequence_length"],
                     _I["past_seqlens"], _I["block_table"], _I["query_positions"], _I["head_sink"], _I["k_scale"],
-                    _I["v_scale"], _OUT)
+                    _I["v_scale"], _OUT, _LSE)
 
 BACKEND = PrefillBackend()

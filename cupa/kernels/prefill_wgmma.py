@@ -16,7 +16,7 @@ goes to the mma.sync prefill backend):
   compiled offline with NVRTC and loaded as a cubin: :func:`cupa.jit.get_kernel` on a pinned spec);
 - T is float16 or bfloat16, the caches hold T (int8/fp8 caches go to the mma.sync prefill), and
   head_size is 128;
-- no LATENT layout, attention_bias, output_qk or return_lse (as for the mma.sync prefill).
+- no LATENT layout, attention_bias or output_qk (as for the mma.sync prefill).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ parameters of the CUDA-core decode kernel; T, the cache type and the head chunk 
 The tensor-core decode kernel is specialized on T, the cache type, the head size, its pipeline depth
 and its loop (keys as the MMA's M dimension or not); the prefill kernel on T, the cache type, the head
 size and its tile (query rows x keys). The wgmma prefill (sm_90a only) is pinned to its arch:
-``Specialization.arch``.
+``Specialization.arch``. The merge of attention states (cuda_src/states.cu) is specialized on T,
+the sink's type and the vector width.
 """
 
 from __future__ import annotations
@@ -74,13 +75,26 @@ def general_finish_spec(dtype: str) -> Specialization:
     return Specialization("general_finish", f"paged_general_finish<{types.act(dtype)}>")
 
 
+def merge_states_spec(dtype: str, sink_dtype: str, vec: int) -> Specialization:
+    """The merge of attention states (cupa.merge_states); ``vec``: channels per lane access (8 or 1)."""
+    return Specialization("states", f"merge_states<{types.act(dtype)}, {types.act(sink_dtype)}, {vec}>")
+
+
+def cascade_inputs_spec() -> Specialization:
+    """The index arrays of a cascade step (cupa.CascadeAttention)."""
+    return Specialization("states", "cascade_inputs")
+
+
 def all_specializations() -> list:
-    """Every specialization a CUDA backend can launch (each backend lists its own), without repeats."""
+    """Every specialization cupa can launch (each backend lists its own, then the attention-state
+    kernels of :mod:`cupa.kernels.states`), without repeats."""
     from .. import dispatch
+    from . import states
 
     specs = []
     for backend in dispatch.cuda_backends():
         specs.extend(backend.specializations())
+    specs.extend(states.specializations())
     return list(dict.fromkeys(specs))
 
 

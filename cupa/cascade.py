@@ -1,0 +1,414 @@
+"""Cascade attention for sequences that share a cached prefix (docs/attention_states.md).
+
+When every sequence of a call starts with the same P cached positions -- the same physical blocks in
+the first P / block_size entries of every block-table row -- plain paged attention reads those blocks
+once per sequence. :class:`CascadeAttention` reads them once for all the sequences:
+
+1. the prefix: every token's queries against the P shared keys as one problem (``prefix_mode``:
+   ``"heads"``, one token whose query heads are those of all the tokens; or ``"tokens"``, one sequence
+   of all the tokens at their own positions), with ``return_lse`` and without head_sink;
+2. the suffix: the plain call on each sequence's own keys [P, kv_len), as a position-shifted shard
+   (past_seqlens - P, the block-table columns after the prefix, cos/sin from row P on); it writes the
+   new tokens' K/V;
+3. :func:`cupa.merge_states` of the two states with head_sink.
+
+Every step runs on the inputs' device and stream without a host synchronization; a step can be
+captured into a CUDA graph after one eager call (which compiles the kernels and uploads the few
+constant index arrays of the prefix call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _capture, arrays, dispatch
+from .api import PagedAttention, bind_inputs
+from .contract import INPUT_NAMES, Attributes, Problem
+from .errors import fail
+from .options import Options
+from .states import merge_host
+
+__all__ = ["CascadeAttention", "cascade_attention", "PREFIX_MODES", "HEADS_MAX_ROWS"]
+
+PREFIX_MODES = ("auto", "heads", "tokens")
+#: ``prefix_mode="auto"`` takes "heads" (when exact) up to this many query rows (token_count * group size)
+HEADS_MAX_ROWS = 4096
+
+
+class CascadeAttention:
+    """Paged attention for a call whose sequences share their first ``prefix_len`` cached positions.
+
+    Called with the inputs of the plain call (:func:`cupa.paged_attention`), it returns what the plain
+    call returns -- ``output``, or ``(output, lse)`` with ``return_lse`` -- within the SPEC section 6
+    tolerances, and writes the caches as the plain call does, while the shared blocks are read once.
+
+    Parameters
+    ----------
+    prefix_len : int
+        P, the shared positions: a positive multiple of block_size, smaller than the block table's
+        capacity. Row 0 of block_table supplies the shared blocks (entries [0, P / block_size)); every
+        row holds the same ones there (device data: not checked). Every token's position must be at
+        least P (the prefix is cached before any query of it): a token at a position below P writes
+        nothing and sees no suffix key.
+    prefix_mode : {"auto", "heads", "tokens"}, default "auto"
+        How the prefix is attended: ``"heads"`` (one decode token with the query heads of every token;
+        exact when do_rotary=0 and local_window_size <= 0), ``"tokens"`` (one sequence of every token,
+        each at its own position) or ``"auto"`` ("heads" where it is exact and token_count * group size
+        <= :data:`HEADS_MAX_ROWS`).
+    num_heads, kv_num_heads, **attributes
+        The attributes of :class:`cupa.PagedAttention` (``return_lse`` included; not ``qk_output``).
+    options : cupa.Options, optional
+        Passed to the prefix and suffix calls.
+
+    Examples
+    --------
+    >>> op = cupa.CascadeAttention(prefix_len=8192, num_heads=32, kv_num_heads=8)
+    >>> out = op(q, k, v, key_cache, value_cache, cum, past, block_table, attention_metadata=md)
+
+    attention_bias and output_qk are not served (PagedAttentionError).
+    """
+
+    def __init__(self, *, prefix_len: int, prefix_mode: str = "auto", num_heads: int = None,
+                 kv_num_heads: int = None, options: Options = None, **attributes: Any):
+        if isinstance(prefix_len, bool) or not isinstance(prefix_len, (int, np.integer)) or prefix_len < 1:
+            raise fail("prefix_len", repr(prefix_len), "a positive integer (the shared cached positions)")
+        if prefix_mode not in PREFIX_MODES:
+            raise fail("prefix_mode", repr(prefix_mode), f"one of {PREFIX_MODES}")
+        self.prefix_len = int(prefix_len)
+        self.prefix_mode = prefix_mode
+        self._plain = PagedAttention(num_heads=num_heads, kv_num_heads=kv_num_heads, options=options, **attributes)
+        a = self.attributes = self._plain.attributes
+        if a.qk_output:
+            raise fail("qk_output", a.qk_output, "0: CascadeAttention returns no output_qk")
+        if prefix_mode == "heads" and (a.do_rotary or a.local_window_size > 0):
+            raise fail("prefix_mode", "'heads'", "'tokens' or 'auto' with do_rotary=1 or a local window (the "
+                       "prefix scores depend on each token's position)")
+        self.options = self._plain.options
+        self._parts = {k: v for k, v in a.as_dict().items() if k not in ("return_lse", "qk_output")}
+        self._suffix = PagedAttention(**self._parts, return_lse=True, options=self.options)
+        self._steps = {}   # (problem, device key) -> _Step
+
+    def __repr__(self) -> str:
+        return f"CascadeAttention(prefix_len={self.prefix_len}, prefix_mode={self.prefix_mode!r}, {self._plain!r})"
+
+    # -- planning ---------------------------------------------------------------------
+    def _step(self, problem: Problem, device_key) -> "_Step":
+        key = (problem, device_key)
+        step = self._steps.get(key)
+        if step is None:
+            if len(self._steps) >= 64:
+                self._steps.clear()
+            step = self._steps[key] = self._make_step(problem)
+        return step
+
+    def _make_step(self, p: Problem) -> "_Step":
+        P, a = self.prefix_len, p.attrs
+        if P % p.block_size:
+            raise fail("prefix_len", P, f"a multiple of block_size ({p.block_size}): the shared prefix is whole blocks")
+        prefix_blocks = P // p.block_size
+        if prefix_blocks >= p.max_blocks_per_seq:
+            raise fail("block_table", f"{p.max_blocks_per_seq} columns",
+                       f"more than prefix_len / block_size = {prefix_blocks} (room for the sequences' own keys)")
+        if p.has_bias:
+            raise fail("attention_bias", "an array", "absent: CascadeAttention does not serve attention_bias")
+        if a.do_rotary and p.rotary_max_pos <= P:
+            raise fail("cos_cache", f"{p.rotary_max_pos} rows", f"more than prefix_len ({P}): every token is at a "
+                       "position >= prefix_len")
+        mode = self.prefix_mode
+        exact_heads = not a.do_rotary and a.local_window_size <= 0
+        if mode == "auto":
+            mode = "heads" if exact_heads and p.token_count * p.group_size <= HEADS_MAX_ROWS else "tokens"
+        N = p.token_count
+        if mode == "heads":
+            prefix_rows = 1
+            cum, past = np.array([0, 1], np.int32), np.array([P - 1], np.int32)
+            metadata = np.array([1, P], np.int32)
+            op = PagedAttention(**dict(self._parts, num_heads=N * p.num_heads), return_lse=True, options=self.options)
+        else:
+            prefix_rows = max(1, -(-N // P))
+            q_lens = np.diff(np.minimum(np.arange(prefix_rows + 1) * P, N)).astype(np.int32)
+            cum = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+            past = (P - q_lens).astype(np.int32)
+            metadata = np.array([max(1, int(q_lens.max())), P], np.int32)
+            op = PagedAttention(**self._parts, return_lse=True, options=self.options)
+        return _Step(problem=p, mode=mode, prefix_blocks=prefix_blocks, prefix_rows=prefix_rows, prefix_op=op,
+                     prefix_cum=cum, prefix_past=past, prefix_metadata=metadata,
+                     prefix_slots=np.full(1 if mode == "heads" else N, -1, np.int32),
+                     suffix_metadata=_shifted_metadata(p, P), constants={})
+
+    def describe(self, *args, **kwargs) -> str:
+        """How a call with these inputs is run: the prefix form and sizes, the backends of the prefix and
+        suffix calls, and the merge (nothing is launched)."""
+        inputs = bind_inputs(args, kwargs)
+        p = self._plain.plan(*(inputs[n] for n in INPUT_NAMES)).problem
+        step = self._step(p, arrays.device_key(inputs["query"]))
+        prefix_plan, suffix_plan = self._plans(step, inputs)
+        P = self.prefix_len
+        if step.mode == "heads":
+            prefix = (f"one decode token with the {p.token_count} tokens' {p.token_count * p.num_heads} query heads "
+                      f"(KV-head major) over the {P} shared positions")
+        else:
+            prefix = (f"{step.prefix_rows} sequence(s) of the {p.token_count} tokens at their own positions over "
+                      f"the {P} shared positions")
+        return (f"cascade attention, prefix_mode={step.mode!r}: prefix = {prefix} [{prefix_plan.backend.name}]; "
+                f"suffix = the call on each sequence's positions >= {P} (block-table columns from "
+                f"{step.prefix_blocks}) [{suffix_plan.backend.name}]; merge_states of the two with head_sink")
+
+    def backends(self, *args, **kwargs) -> tuple:
+        """The names of the backends that run the prefix and the suffix call for these inputs."""
+        inputs = bind_inputs(args, kwargs)
+        p = self._plain.plan(*(inputs[n] for n in INPUT_NAMES)).problem
+        prefix_plan, suffix_plan = self._plans(self._step(p, arrays.device_key(inputs["query"])), inputs)
+        return prefix_plan.backend.name, suffix_plan.backend.name
+
+    def _plans(self, step: "_Step", inputs: dict) -> tuple:
+        """The plans of the prefix and suffix calls, from arrays of their inputs' shapes (allocated, not
+        filled: no kernel runs)."""
+        p = step.problem
+        if dispatch.call_device(inputs) is None:
+            x, xp = inputs, np
+        else:
+            import cupy as xp
+
+            tensors = {n: v for n, v in inputs.items() if n != "attention_metadata"}
+            x, device = arrays.device_arrays(tensors, arrays.resolve_stream(None, inputs["query"]))
+            x["attention_metadata"] = inputs["attention_metadata"]
+        T, N = arrays.numpy_dtype(p.dtype), p.token_count
+        with (xp.cuda.Device(device) if xp is not np else contextlib.nullcontext()):
+            idx = lambda *shape: xp.empty(shape, np.int32)   # noqa: E731
+            common = dict(key_cache=x["key_cache"], value_cache=x["value_cache"],
+                          cumulative_sequence_length=idx(step.prefix_rows + 1), past_seqlens=idx(step.prefix_rows),
+                          block_table=idx(step.prefix_rows, step.prefix_blocks), q_norm_weight=x["q_norm_weight"],
+                          k_norm_weight=x["k_norm_weight"], k_scale=x["k_scale"], v_scale=x["v_scale"],
+                          attention_metadata=step.prefix_metadata)
+            if step.mode == "heads":
+                width = p.head_size if p.latent else p.kv_num_heads * p.head_size
+                prefix = step.prefix_op.plan(xp.empty((1, N * p.num_heads * p.head_size), T), xp.empty((1, width), T),
+                                             None if p.latent else xp.empty((1, width), T), slot_mapping=idx(1),
+                                             **common)
+            else:
+                prefix = step.prefix_op.plan(x["query"], x["key"], x["value"], cos_cache=x["cos_cache"],
+                                             sin_cache=x["sin_cache"], slot_mapping=idx(N), query_positions=idx(N),
+                                             **common)
+            cos, sin, P = x["cos_cache"], x["sin_cache"], self.prefix_len
+            suffix = self._suffix.plan(
+                x["query"], x["key"], x["value"], x["key_cache"], x["value_cache"], x["cumulative_sequence_length"],
+                x["past_seqlens"], idx(p.batch_size, p.max_blocks_per_seq - step.prefix_blocks),
+                None if cos is None else cos[P:], None if sin is None else sin[P:], x["slot_mapping"], None,
+                x["q_norm_weight"], x["k_norm_weight"], x["k_scale"], x["v_scale"], step.suffix_metadata,
+                x["query_positions"], None)
+        return prefix, suffix
+
+    # -- execution ----------------------------------------------------------------------
+    def __call__(self, *args, out=None, stream=None, **kwargs):
+        """Run the cascade step. Returns ``output``, or ``(output, lse)`` with ``return_lse``.
+
+        The inputs are those of :func:`cupa.paged_attention` for the plain call; the caches are updated
+        in place as the plain call updates them.
+        """
+        inputs = bind_inputs(args, kwargs)
+        query = inputs["query"]
+        problem = self._plain.plan(*(inputs[n] for n in INPUT_NAMES)).problem
+        if problem.token_count == 0:   # nothing to attend: the plain call returns the empty outputs
+            return self._plain(*(inputs[n] for n in INPUT_NAMES), out=out, stream=stream)
+        step = self._step(problem, arrays.device_key(query))
+        if dispatch.call_device(inputs) is None:
+            return self._run_host(step, inputs, out)
+        return self._run_device(step, inputs, out, stream)
+
+    def _run_host(self, step: "_Step", inputs: dict, out):
+        p = step.problem
+        query = inputs["query"]
+        x = {n: (v if n == "attention_metadata" or v is None else
+                 arrays.host_view(v, n, cache=n in arrays.CACHE_NAMES)) for n, v in inputs.items()}
+        out_view = arrays.host_out(out, query, p.output_shape, arrays.numpy_dtype(p.dtype))
+        d = _derive_host(step, x, self.prefix_len)
+        o_pre, lse_pre = self._prefix(step, x, d, np)
+        o_suf, lse_suf = self._suffix_call(step, x, d, None)
+        H, Dv = p.num_heads, p.v_head_size
+        merged, merged_lse = merge_host(np.stack([o_pre, o_suf]).reshape(2, p.token_count, H, Dv),
+                                        np.stack([lse_pre, lse_suf]), x["head_sink"])
+        result = out_view if out_view is not None else np.empty(p.output_shape, arrays.numpy_dtype(p.dtype))
+        result[...] = merged.reshape(p.output_shape).astype(result.dtype)
+        output = arrays.wrap_host(result, query, out)
+        if not self.attributes.return_lse:
+            return output
+        return output, arrays.wrap_host(merged_lse.astype(np.float32), query)
+
+    def _run_device(self, step: "_Step", inputs: dict, out, stream):
+        import cupy
+
+        from .kernels import states as kernels
+
+        p = step.problem
+        query = inputs["query"]
+        stream = arrays.resolve_stream(stream, query)
+        tensors = {n: v for n, v in inputs.items() if n != "attention_metadata"}
+        x, device = arrays.device_arrays(tensors, stream)
+        x["attention_metadata"] = inputs["attention_metadata"]
+        with cupy.cuda.Device(device), stream:
+            out_view = arrays.check_out(out, p.output_shape, p.dtype, query, device)
+            if out_view is None:
+                out_view = arrays.empty_output(p.output_shape, p.dtype, query, device)
+            lse_view = (arrays.empty_output(p.lse_shape, "float32", query, device)
+                        if self.attributes.return_lse else None)
+            d = _derive_device(step, x, self.prefix_len, stream, kernels)
+            o_pre, lse_pre = self._prefix(step, x, d, cupy, stream)
+            o_suf, lse_suf = self._suffix_call(step, x, d, stream)
+            _capture.keep_alive(out_view, lse_view)
+        kernels.merge([o_pre, o_suf], [lse_pre, lse_suf], x["head_sink"], out_view, lse_view, p.num_heads, stream)
+        output = arrays.wrap_output(out_view, query, stream)
+        if lse_view is None:
+            return output
+        return output, arrays.wrap_output(lse_view, query, stream)
+
+    def _prefix(self, step: "_Step", x: dict, d: dict, xp, stream=None) -> tuple:
+        """The prefix state (output (N, H*Dv), lse (N, H); -inf for tokens invalid in the plain call)."""
+        p = step.problem
+        N, H, Hk, G, D, Dv = p.token_count, p.num_heads, p.kv_num_heads, p.group_size, p.head_size, p.v_head_size
+        c = d["constants"]
+        common = dict(key_cache=x["key_cache"], value_cache=x["value_cache"], cumulative_sequence_length=c["cum"],
+                      past_seqlens=c["past"], block_table=d["prefix_table"], slot_mapping=c["slots"],
+                      q_norm_weight=x["q_norm_weight"], k_norm_weight=x["k_norm_weight"], k_scale=x["k_scale"],
+                      v_scale=x["v_scale"], attention_metadata=step.prefix_metadata, stream=stream)
+        if step.mode == "tokens":
+            return step.prefix_op(x["query"], x["key"], x["value"], cos_cache=x["cos_cache"],
+                                  sin_cache=x["sin_cache"], query_positions=d["prefix_positions"], **common)
+        q = x["query"][:, :H * D].reshape(N, Hk, G, D)
+        stacked = xp.ascontiguousarray(q.transpose(1, 0, 2, 3)).reshape(1, N * H * D)
+        o_stacked, lse_stacked = step.prefix_op(stacked, c["key"], c["value"], **common)
+        o = xp.ascontiguousarray(o_stacked.reshape(Hk, N, G, Dv).transpose(1, 0, 2, 3)).reshape(N, H * Dv)
+        valid = (d["prefix_positions"] >= 0)[:, None, None]
+        lse = xp.where(valid, lse_stacked.reshape(Hk, N, G).transpose(1, 0, 2), np.float32(-np.inf))
+        _capture.keep_alive(stacked, o_stacked, lse_stacked, o, lse)   # a captured graph writes them at every replay
+        return o, lse.reshape(N, H)
+
+    def _suffix_call(self, step: "_Step", x: dict, d: dict, stream) -> tuple:
+        """The suffix state: the plain call on positions >= prefix_len, shifted down by prefix_len."""
+        P = self.prefix_len
+        cos, sin = x["cos_cache"], x["sin_cache"]
+        return self._suffix(
+            x["query"], x["key"], x["value"], x["key_cache"], x["value_cache"], x["cumulative_sequence_length"],
+            d["suffix_past"], d["suffix_table"], None if cos is None else cos[P:], None if sin is None else sin[P:],
+            x["slot_mapping"], None, x["q_norm_weight"], x["k_norm_weight"], x["k_scale"], x["v_scale"],
+            step.suffix_metadata, d["suffix_positions"], None, stream=stream)
+
+
+@dataclass(eq=False)
+class _Step:
+    """What a cascade call of one input signature needs beyond its inputs (built once per signature)."""
+
+    problem: Problem
+    mode: str
+    prefix_blocks: int
+    prefix_rows: int         # sequences of the prefix call ("tokens": ceil(N / P); "heads": 1)
+    prefix_op: PagedAttention
+    prefix_cum: np.ndarray
+    prefix_past: np.ndarray
+    prefix_metadata: np.ndarray
+    prefix_slots: np.ndarray  # all -1: the prefix call writes nothing
+    suffix_metadata: Optional[np.ndarray]
+    constants: dict          # device ordinal -> the prefix call's constant inputs on that device
+
+
+def _shifted_metadata(p: Problem, P: int) -> Optional[np.ndarray]:
+    """attention_metadata of the suffix call: the plain call's bounds (clamped, SPEC 4.5) with the kv
+    bounds less the prefix."""
+    if not p.has_metadata:
+        return None
+    md = [p.max_query_len_bound, max(p.max_kv_len_bound - P, 1)]
+    if p.max_kv_len_lower_bound:
+        md.append(max(p.max_kv_len_lower_bound - P, 0))
+    return np.array(md, np.int32)
+
+
+def _host_constants(step: _Step) -> dict:
+    p = step.problem
+    c = dict(cum=step.prefix_cum, past=step.prefix_past, slots=step.prefix_slots, key=None, value=None)
+    if step.mode == "heads":
+        T = arrays.numpy_dtype(p.dtype)
+        c["key"] = np.zeros((1, p.head_size if p.latent else p.kv_num_heads * p.head_size), T)
+        c["value"] = None if p.latent else np.zeros((1, p.kv_num_heads * p.head_size), T)
+    return c
+
+
+def _derive_host(step: _Step, x: dict, P: int) -> dict:
+    """The index arrays of one cascade call on the host (the NumPy twin of states.cu cascade_inputs)."""
+    p = step.problem
+    cum = np.asarray(x["cumulative_sequence_length"]).astype(np.int64)
+    past = np.asarray(x["past_seqlens"]).astype(np.int64)
+    bt = np.asarray(x["block_table"])
+    qp = x["query_positions"]
+    N, B = p.token_count, p.batch_size
+    positions = np.full(N, -1, np.int64)
+    if B > 0 and N > 0:
+        t = np.arange(N, dtype=np.int64)
+        lo, hi = np.zeros(N, np.int64), np.full(N, B, np.int64)
+        while np.any(lo < hi):        # the owner search of docs/architecture.md (paged.cuh find_owner)
+            act = lo < hi
+            mid = (lo + hi) // 2
+            go = cum[np.minimum(mid + 1, B)] > t
+            hi = np.where(act & go, mid, hi)
+            lo = np.where(act & ~go, mid + 1, lo)
+        bc = np.minimum(lo, B - 1)
+        c0, c1, pst = cum[bc], cum[bc + 1], past[bc]
+        pos = np.asarray(qp).astype(np.int64) if qp is not None else pst + t - c0
+        valid = ((lo < B) & (c0 <= t) & (pst >= 0) & (c1 >= c0) & (pst + c1 - c0 <= p.static_kv_capacity)
+                 & (pos >= 0) & ((p.rotary_max_pos == 0) | (pos < p.rotary_max_pos)))
+        positions = np.where(valid, pos, -1)
+    shift = lambda v: np.where(v >= 0, v - P, -1).astype(np.int32)
+    prefix_table = (np.tile(bt[0, :step.prefix_blocks], (step.prefix_rows, 1)) if B > 0
+                    else np.full((step.prefix_rows, step.prefix_blocks), -1, np.int32))
+    return dict(prefix_positions=positions.astype(np.int32), suffix_past=shift(past),
+                suffix_positions=None if qp is None else shift(np.asarray(qp).astype(np.int64)),
+                suffix_table=np.ascontiguousarray(bt[:, step.prefix_blocks:]),
+                prefix_table=np.ascontiguousarray(prefix_table, dtype=np.int32),
+                constants=_host_constants(step))
+
+
+def _derive_device(step: _Step, x: dict, P: int, stream, kernels) -> dict:
+    """The index arrays of one cascade call on the device: one ``cascade_inputs`` launch."""
+    import cupy
+
+    p = step.problem
+    device = x["query"].data.device_id
+    constants = step.constants.get(device)
+    if constants is None:   # uploaded once per device (an eager call before any capture)
+        constants = {k: (None if v is None else cupy.asarray(v)) for k, v in _host_constants(step).items()}
+        step.constants[device] = constants
+    N, B, Pb = p.token_count, p.batch_size, step.prefix_blocks
+    qp = x["query_positions"]
+    sizes = dict(prefix_positions=(N,), suffix_past=(B,), suffix_positions=(N,) if qp is not None else None,
+                 suffix_table=(B, p.max_blocks_per_seq - Pb), prefix_table=(step.prefix_rows, Pb))
+    total = sum(int(np.prod(s)) for s in sizes.values() if s is not None)
+    buffer = cupy.empty(max(total, 1), dtype=np.int32)
+    _capture.keep_alive(buffer)
+    d, at = {}, 0
+    for name, shape in sizes.items():
+        if shape is None:
+            d[name] = None
+            continue
+        n = int(np.prod(shape))
+        d[name] = buffer[at:at + n].reshape(shape)
+        at += n
+    kernels.cascade_inputs(x["cumulative_sequence_length"], x["past_seqlens"], x["block_table"], qp,
+                           kv_capacity=p.static_kv_capacity, rotary_max_pos=p.rotary_max_pos, prefix_len=P,
+                           prefix_blocks=Pb, prefix_rows=step.prefix_rows, stream=stream, **d)
+    d["constants"] = constants
+    return d
+
+
+def cascade_attention(*args, prefix_len: int, prefix_mode: str = "auto", out=None, stream=None,
+                      options: Options = None, **kwargs):
+    """:class:`CascadeAttention` as a function: ``cascade_attention(*inputs, prefix_len=P, num_heads=...,
+    kv_num_heads=..., **attributes)``. Inputs by position (ONNX order) or keyword, as
+    :func:`cupa.paged_attention`; the bound op is rebuilt each call (bind a :class:`CascadeAttention`
+    once to keep its plan memo)."""
+    attribute_names = set(Attributes.names())
+    attributes = {k: kwargs.pop(k) for k in list(kwargs) if k in attribute_names}
+    op = CascadeAttention(prefix_len=prefix_len, prefix_mode=prefix_mode, options=options, **attributes)
+    return op(*args, out=out, stream=stream, **kwargs)

@@ -1,0 +1,107 @@
+"""Launches of the attention-state kernels (cuda_src/states.cu): the merge of partial states and the
+index arrays of a cascade step.
+
+Both take CuPy arrays already checked by their callers (:mod:`cupa.states`, :mod:`cupa.cascade`) and
+launch on the given stream with that stream's device current: no host synchronization, no allocation
+but the outputs the callers pass in, so a step made of them can be captured into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _capture, jit
+from . import registry, types
+
+#: states passed one pointer each (mirrors MERGE_LISTED in states.cu); more come as one strided array
+MERGE_LISTED = 16
+MERGE_WARPS = 8  # rows (one warp each) per CTA, mirrors MERGE_WARPS
+#: the kernel argument ``MergeInputs<T>`` of states.cu
+MERGE_INPUTS = np.dtype([("out", np.uint64, (MERGE_LISTED,)), ("lse", np.uint64, (MERGE_LISTED,)),
+                         ("out_stride", np.int64), ("lse_stride", np.int64)])
+MERGE_DTYPES = ("float16", "bfloat16", "float32")
+CASCADE_THREADS = 256
+
+
+def sink_types(dtype: str) -> tuple:
+    """The head_sink dtypes a merge of T=``dtype`` takes: T itself or float32."""
+    return (dtype,) if dtype == "float32" else (dtype, "float32")
+
+
+def specializations() -> list:
+    """Every specialization of states.cu."""
+    specs = [registry.merge_states_spec(dtype, sink, vec)
+             for dtype in MERGE_DTYPES for sink in sink_types(dtype) for vec in (8, 1)]
+    specs.append(registry.cascade_inputs_spec())
+    return specs
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def merge(outputs, lses, head_sink, out, out_lse, num_heads: int, stream) -> None:
+    """Launch ``merge_states`` on ``stream``.
+
+    Parameters
+    ----------
+    outputs : list of S CuPy arrays (N, H*Dv) of T, or one C-contiguous (S, N, H*Dv) array
+    lses : list of S CuPy float32 arrays (N, H), or one C-contiguous (S, N, H) array (same form)
+    head_sink : CuPy (H,) array of T or float32, or None
+    out : CuPy (N, H*Dv) array of T (may be one of ``outputs``)
+    out_lse : CuPy (N, H) float32 array (may be one of ``lses``), or None
+    """
+    cupy = _cupy()
+    stacked = not isinstance(outputs, (list, tuple))
+    first = outputs if stacked else outputs[0]
+    num_states = first.shape[0] if stacked else len(outputs)
+    N, width = out.shape
+    rows = N * num_heads
+    if rows == 0:
+        return
+    head_width = width // num_heads
+    if not stacked and num_states > MERGE_LISTED:
+        with cupy.cuda.Device(out.data.device_id), stream:
+            outputs, lses, stacked = cupy.stack(outputs), cupy.stack(lses), True
+        _capture.keep_alive(outputs, lses)
+    arg = np.zeros(1, dtype=MERGE_INPUTS)
+    if stacked:
+        arg["out"][0, 0], arg["lse"][0, 0] = outputs.data.ptr, lses.data.ptr
+        arg["out_stride"], arg["lse_stride"] = N * width, N * num_heads
+        ptrs = [outputs.data.ptr + i * N * width * out.itemsize for i in range(num_states)]
+    else:
+        ptrs = [o.data.ptr for o in outputs]
+        arg["out"][0, :num_states] = ptrs
+        arg["lse"][0, :num_states] = [x.data.ptr for x in lses]
+    aligned = head_width % 8 == 0 and all(p % 16 == 0 for p in ptrs + [out.data.ptr])
+    dtype = out.dtype.name
+    sink_dtype = dtype if head_sink is None else head_sink.dtype.name
+    spec = registry.merge_states_spec(dtype, sink_dtype, 8 if aligned else 1)
+    with cupy.cuda.Device(out.data.device_id), stream:
+        kernel = jit.get_kernel(spec)
+        kernel((-(-rows // MERGE_WARPS),), (MERGE_WARPS * 32,),
+               (arg, np.int32(num_states), np.int64(rows), np.int32(num_heads), np.int32(head_width),
+                types.ptr(head_sink), out, types.ptr(out_lse)))
+
+
+def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int, rotary_max_pos: int,
+                   prefix_len: int, prefix_blocks: int, prefix_rows: int, prefix_positions, suffix_past,
+                   suffix_positions, suffix_table, prefix_table, stream) -> None:
+    """Launch ``cascade_inputs`` on ``stream``: fills ``prefix_positions`` (N,), ``suffix_past`` (B,),
+    ``suffix_positions`` (N,; only with ``query_positions``), ``suffix_table`` (B, max_blocks -
+    prefix_blocks) and ``prefix_table`` (prefix_rows, prefix_blocks), all int32 CuPy arrays."""
+    cupy = _cupy()
+    N, B, max_blocks = prefix_positions.shape[0], past.shape[0], block_table.shape[1]
+    total = N + B + B * (max_blocks - prefix_blocks) + prefix_rows * prefix_blocks
+    if total == 0:
+        return
+    blocks = min(-(-total // CASCADE_THREADS), 1024)
+    with cupy.cuda.Device(cum.data.device_id), stream:
+        kernel = jit.get_kernel(registry.cascade_inputs_spec())
+        kernel((blocks,), (CASCADE_THREADS,),
+               (cum, past, block_table, types.ptr(query_positions), np.int32(N), np.int32(B), np.int32(max_blocks),
+                np.int64(kv_capacity), np.int32(rotary_max_pos), np.int32(prefix_len), np.int32(prefix_blocks),
+                np.int32(prefix_rows), prefix_positions, suffix_past, types.ptr(suffix_positions), suffix_table,
+                prefix_table))

@@ -1,0 +1,145 @@
+"""cupa.CascadeAttention on the NumPy backend: equal to the plain paged call on the same inputs.
+
+Sequences share their first prefix_len positions (the same physical blocks at the start of every
+block-table row); the cascade step (prefix once for all tokens, suffix per sequence, merge) must give
+the plain call's output within SPEC section 6 tolerances, its lse to float32 rounding, and the same
+cache bytes.
+"""
+
+import numpy as np
+import pytest
+
+import cupa
+from tests.util import T_DTYPES, assert_lse_close, assert_rel, make_case
+
+COMMON = {
+    "plain": {},
+    "sink_softcap": dict(sink=True, softcap=2.0),
+    "int8_per_channel": dict(cache="int8", k_quant="PER_CHANNEL", v_quant="PER_CHANNEL", sink=True),
+    "fp8_bytes": dict(cache="fp8_bytes", k_quant="PER_TENSOR", v_quant="PER_CHANNEL"),
+    "latent": dict(latent=True, v_head_size=24, scale=0.125),
+    "qk_norm_packed": dict(qk_norm=True, packed=True, sink=True),
+    "not_causal": dict(is_causal=0),
+    "explicit_positions_slots": dict(positions="explicit", slot_mapping="skip"),
+    "bf16_metadata": dict(dtype="bfloat16", metadata="loose", sink=True),
+    "fp32_tight": dict(dtype="float32", metadata="tight"),
+}
+#: features whose prefix scores depend on positions: the "tokens" prefix only
+POSITIONAL = {
+    "rotary": dict(rotary="half", sink=True),
+    "rotary_interleaved_window": dict(rotary="interleaved", window=7, qk_norm=True),
+    "window": dict(window=5, cache="int8"),
+}
+
+
+def cascade_case(rng, prefix_len, block_size, own, q_lens, **features):
+    """A case whose sequences all start with the same ``prefix_len`` cached positions (row 0's blocks)."""
+    past = prefix_len + np.asarray(own)
+    case = make_case(rng, block_size=block_size, q_lens=q_lens, past=past, num_heads=8, kv_num_heads=2,
+                     head_size=32, **features)
+    bt = case.inputs["block_table"]
+    bt[:, :prefix_len // block_size] = bt[0, :prefix_len // block_size]
+    return case
+
+
+def _inputs(case):
+    return {k: v for k, v in case.inputs.items() if v is not None}
+
+
+def check_cascade(case, prefix_len, mode):
+    plain = case.copy()
+    want_out, want_lse = plain.run(return_lse=True)
+    got_case = case.copy()
+    op = cupa.CascadeAttention(prefix_len=prefix_len, prefix_mode=mode, return_lse=True, **case.attrs)
+    out, lse = op(**_inputs(got_case))
+    assert out.dtype == T_DTYPES[case.dtype] and out.shape == want_out.shape
+    assert np.all(np.isfinite(out.astype(np.float32)))
+    assert_rel(out, want_out, case.dtype, what="cascade output")
+    assert_lse_close(lse, want_lse)
+    for name in ("key_cache", "value_cache"):
+        if plain.inputs[name] is not None:
+            assert np.array_equal(got_case.inputs[name].view(np.uint8), plain.inputs[name].view(np.uint8)), name
+    return op
+
+
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+@pytest.mark.parametrize("mode", ["heads", "tokens"])
+@pytest.mark.parametrize("feature", sorted(COMMON))
+def test_cascade_equals_the_plain_call(rng, feature, mode, shape):
+    q_lens = (1, 1, 1, 1, 1) if shape == "decode" else (3, 1, 0, 4, 2)
+    case = cascade_case(rng, 16, 4, own=(0, 5, 9, 2, 17), q_lens=q_lens, **COMMON[feature])
+    check_cascade(case, 16, mode)
+
+
+@pytest.mark.parametrize("feature", sorted(POSITIONAL))
+def test_cascade_with_positional_features_takes_the_tokens_prefix(rng, feature):
+    case = cascade_case(rng, 12, 3, own=(1, 6, 0, 11), q_lens=(2, 1, 3, 1), **POSITIONAL[feature])
+    op = check_cascade(case, 12, "auto")
+    assert "prefix_mode='tokens'" in op.describe(**_inputs(case))
+    with pytest.raises(cupa.PagedAttentionError, match="^prefix_mode: got 'heads'"):
+        cupa.CascadeAttention(prefix_len=12, prefix_mode="heads", **case.attrs)
+
+
+def test_auto_takes_the_heads_prefix_when_exact(rng):
+    case = cascade_case(rng, 16, 8, own=(3, 4), q_lens=(1, 1))
+    op = check_cascade(case, 16, "auto")
+    assert "prefix_mode='heads'" in op.describe(**_inputs(case))
+
+
+def test_more_tokens_than_prefix_positions(rng):
+    """The tokens prefix with N > prefix_len: several prefix sequences of at most prefix_len tokens."""
+    case = cascade_case(rng, 4, 4, own=(2, 0, 7), q_lens=(5, 3, 6), sink=True)
+    op = check_cascade(case, 4, "tokens")
+    assert "4 sequence(s) of the 14 tokens" in op.describe(**_inputs(case))
+
+
+@pytest.mark.parametrize("mode", ["heads", "tokens"])
+def test_invalid_and_unowned_tokens_output_zeros(rng, mode):
+    case = cascade_case(rng, 8, 4, own=(3, 1, 6), q_lens=(2, 2, 3), sink=True)
+    case.inputs["past_seqlens"][1] = -1                      # an invalid sequence
+    case.inputs["cumulative_sequence_length"][-1] -= 2       # the last two tokens belong to no sequence
+    plain_out = case.copy().run()
+    assert not np.any(plain_out[2:4].astype(np.float32)) and not np.any(plain_out[-2:].astype(np.float32))
+    check_cascade(case, 8, mode)
+
+
+def test_cascade_function_and_torch_cpu_tensors(rng):
+    torch = pytest.importorskip("torch")
+    case = cascade_case(rng, 8, 4, own=(0, 2, 5), q_lens=(1, 1, 1), sink=True)
+    want = case.copy().run()
+    got = cupa.cascade_attention(**_inputs(case.copy()), prefix_len=8, **case.attrs)
+    assert np.array_equal(got, cupa.CascadeAttention(prefix_len=8, **case.attrs)(**_inputs(case.copy())))
+    assert_rel(got, want, case.dtype)
+    t = {k: torch.from_numpy(v.copy()) for k, v in _inputs(case).items()}
+    out = torch.empty(want.shape, dtype=torch.float16)
+    res, lse = cupa.CascadeAttention(prefix_len=8, return_lse=True, **case.attrs)(**t, out=out)
+    assert res is out and isinstance(lse, torch.Tensor) and lse.dtype == torch.float32
+    assert np.array_equal(out.numpy(), got)
+
+
+def test_no_tokens(rng):
+    case = cascade_case(rng, 8, 4, own=(0, 2), q_lens=(0, 0))
+    out, lse = cupa.CascadeAttention(prefix_len=8, return_lse=True, **case.attrs)(**_inputs(case))
+    assert out.shape == (0, 8 * 32) and lse.shape == (0, 8)
+
+
+def test_cascade_errors_name_the_input(rng):
+    case = cascade_case(rng, 8, 4, own=(0, 2), q_lens=(1, 1), bias=(False, False))
+    with pytest.raises(cupa.PagedAttentionError, match="^attention_bias: "):
+        cupa.CascadeAttention(prefix_len=8, **case.attrs)(**_inputs(case))
+    case.inputs["attention_bias"] = None
+    with pytest.raises(cupa.PagedAttentionError, match=r"^prefix_len: got 6; expected a multiple of block_size \(4\)"):
+        cupa.CascadeAttention(prefix_len=6, **case.attrs)(**_inputs(case))
+    width = case.inputs["block_table"].shape[1] * 4
+    with pytest.raises(cupa.PagedAttentionError, match="^block_table: got .* columns; expected more than"):
+        cupa.CascadeAttention(prefix_len=width, **case.attrs)(**_inputs(case))
+    with pytest.raises(cupa.PagedAttentionError, match="^qk_output: "):
+        cupa.CascadeAttention(prefix_len=8, qk_output=1, **case.attrs)
+    for bad in (0, -4, 2.0, True):
+        with pytest.raises(cupa.PagedAttentionError, match="^prefix_len: "):
+            cupa.CascadeAttention(prefix_len=bad, **case.attrs)
+    with pytest.raises(cupa.PagedAttentionError, match="^prefix_mode: "):
+        cupa.CascadeAttention(prefix_len=8, prefix_mode="rows", **case.attrs)
+    rot = cascade_case(rng, 8, 4, own=(0, 2), q_lens=(1, 1), rotary="half", max_position=8)
+    with pytest.raises(cupa.PagedAttentionError, match="^cos_cache: got 8 rows; expected more than prefix_len"):
+        cupa.CascadeAttention(prefix_len=8, **rot.attrs)(**_inputs(rot))

@@ -1,0 +1,278 @@
+"""Attention states on the device: the merge kernel, return_lse of every CUDA backend, key shards,
+cascade attention, and CUDA-graph capture of steps that merge.
+
+The merge-kernel tests need only CuPy and a GPU. The others need the CUDA backends to serve
+return_lse (each backend's ``serves``); every run draws fresh random data and checks every element.
+"""
+
+import numpy as np
+import pytest
+
+import cupa
+from cupa import dispatch, states
+from tests import gpu_cases as gc
+from tests.util import T_DTYPES, assert_within_ulp, rel_err, shard_block_tables
+
+pytestmark = pytest.mark.gpu
+
+
+def _states(rng, S, N=37, H=4, Dv=128, dtype="float16"):
+    T = T_DTYPES[dtype]
+    outs = [rng.standard_normal((N, H * Dv)).astype(T) for _ in range(S)]
+    lses = [(rng.standard_normal((N, H)) * 6).astype(np.float32) for _ in range(S)]
+    for s in range(S):
+        empty = rng.random((N, H)) < 0.25
+        lses[s][empty] = -np.inf
+        rows = outs[s].reshape(N, H, Dv)
+        rows[empty] = np.nan                      # an empty state's row is never read
+    lses[0][0, :] = -np.inf
+    for x in lses:
+        x[0, :] = -np.inf                         # token 0: every state empty
+    return outs, lses
+
+
+def _lse_match(got, want, tol=1e-5):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.array_equal(np.isneginf(got), np.isneginf(want))
+    live = np.isfinite(want)
+    np.testing.assert_allclose(got[live], want[live], rtol=tol, atol=tol)
+
+
+# -- the merge kernel -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("S", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("Dv", [128, 20])
+@pytest.mark.parametrize("sink", [None, "T", "float32"])
+def test_merge_kernel_matches_the_float64_merge(cp, rng, dtype, S, stacked, Dv, sink):
+    outs, lses = _states(rng, S, Dv=Dv, dtype=dtype)
+    N, H = lses[0].shape
+    head_sink = None if sink is None else (rng.standard_normal(H) * 3).astype(
+        T_DTYPES[dtype] if sink == "T" else np.float32)
+    o64, lse64 = states.merge_host(np.stack(outs).reshape(S, N, H, Dv), np.stack(lses), head_sink)
+    dev_outs = cp.asarray(np.stack(outs)) if stacked else [cp.asarray(o) for o in outs]
+    dev_lses = cp.asarray(np.stack(lses)) if stacked else [cp.asarray(x) for x in lses]
+    out = cp.full((N, H * Dv), np.nan, dtype=T_DTYPES[dtype])
+    got, got_lse = cupa.merge_states(dev_outs, dev_lses, head_sink=None if head_sink is None else cp.asarray(head_sink),
+                                     out=out)
+    assert got is out and got_lse.dtype == np.float32
+    host = cp.asnumpy(got)
+    if dtype == "float32":
+        assert rel_err(host, o64.reshape(N, -1)) < 1e-6
+    else:
+        assert_within_ulp(host, o64.reshape(N, -1), dtype, n=1.0, what="merged output")
+    _lse_match(cp.asnumpy(got_lse), lse64)
+    again = cupa.merge_states(dev_outs, dev_lses, head_sink=None if head_sink is None else cp.asarray(head_sink))
+    assert np.array_equal(cp.asnumpy(again[0]).view(np.uint8), host.view(np.uint8)), "not deterministic"
+
+
+def test_merge_kernel_in_place(cp, rng):
+    outs, lses = _states(rng, 4)
+    d_outs, d_lses = [cp.asarray(o) for o in outs], [cp.asarray(x) for x in lses]
+    want, want_lse = (cp.asnumpy(a) for a in cupa.merge_states(d_outs, d_lses))
+    got, got_lse = cupa.merge_states(d_outs, d_lses, out=d_outs[0], out_lse=d_lses[0])
+    assert got is d_outs[0] and got_lse is d_lses[0]
+    assert np.array_equal(cp.asnumpy(got).view(np.uint8), want.view(np.uint8))
+    assert np.array_equal(cp.asnumpy(got_lse), want_lse)
+
+
+def test_merge_torch_cuda_tensors_on_a_side_stream(cp, torch_cuda, rng):
+    torch = torch_cuda
+    outs, lses = _states(rng, 3, dtype="bfloat16")
+    want = cupa.merge_states([cp.asarray(o) for o in outs], [cp.asarray(x) for x in lses])
+    t_outs = [torch.from_numpy(o.view(np.int16)).view(torch.bfloat16).cuda() for o in outs]
+    t_lses = [torch.from_numpy(x).cuda() for x in lses]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got, got_lse = cupa.merge_states(t_outs, t_lses)
+    torch.cuda.current_stream().wait_stream(side)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16 and got.is_cuda
+    assert np.array_equal(got.view(torch.int16).cpu().numpy(), cp.asnumpy(want[0]).view(np.int16))
+    assert np.array_equal(got_lse.cpu().numpy(), cp.asnumpy(want[1]))
+
+
+def test_merge_is_capturable(cp, rng):
+    outs, lses = _states(rng, 5)
+    d_outs, d_lses = [cp.asarray(o) for o in outs], [cp.asarray(x) for x in lses]
+    out, out_lse = cp.empty_like(d_outs[0]), cp.empty_like(d_lses[0])
+    with cupa.capture_graph(lambda: cupa.merge_states(d_outs, d_lses, out=out, out_lse=out_lse)) as g:
+        new_outs, new_lses = _states(rng, 5)
+        with g.stream:
+            for d, h in zip(d_outs + d_lses, new_outs + new_lses):
+                d.set(h)
+            g.replay()
+            g.stream.synchronize()
+        want = cupa.merge_states(new_outs, new_lses)
+        assert rel_err(cp.asnumpy(out), want[0]) < 2e-3
+        _lse_match(cp.asnumpy(out_lse), want[1])
+
+
+# -- return_lse on every CUDA backend (needs the backends to serve it) ---------------------------------
+
+LSE_CASES = {
+    "decode_fp16": dict(B=5, H=8, Hk=2, D=128, sink=True),
+    "decode_fp32_cuda_cores": dict(B=4, H=8, Hk=2, D=64, dtype="float32", softcap=20.0),
+    "decode_int8_window": dict(B=3, H=16, Hk=2, D=128, cache="int8", window=200, past=[900, 40, 2500]),
+    "decode_long_splits": dict(B=2, H=8, Hk=1, D=128, past=[6000, 17], sink=True),
+    "prefill_fp16": dict(q_lens=[40, 0, 70], past=[0, 9, 130], H=8, Hk=2, D=128, sink=True),
+    "prefill_bf16_d64": dict(q_lens=[33, 64], past=[100, 0], H=8, Hk=4, D=64, dtype="bfloat16", window=50),
+    "prefill_fp8": dict(q_lens=[50, 20], past=[10, 300], H=8, Hk=2, D=128, cache="fp8"),
+}
+
+
+def _lse_reference(inputs, attrs):
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    return cupa.paged_attention(**ref_in, **gc.host_attrs(attrs), return_lse=True)
+
+
+@pytest.mark.parametrize("case", sorted(LSE_CASES))
+@pytest.mark.parametrize("backend", dispatch.CUDA_BACKENDS)
+def test_return_lse_on_every_backend(cp, rng, case, backend):
+    inputs, attrs = gc.build(rng, **LSE_CASES[case])
+    attrs = gc.with_options(attrs, backend=backend)
+    dev = gc.to_device(cp, inputs)
+    op = cupa.PagedAttention(**attrs, return_lse=True)
+    problem = op._problem(op._bind((), dev))
+    device = dispatch.device_info(dev["query"].data.device_id)
+    served = next(b for b in dispatch.cuda_backends() if b.name == backend)
+    if served.not_supported_reasons(problem, device, cupa.Options(backend=backend)):
+        pytest.skip(f"{backend} does not serve {case}")
+    want_out, want_lse = _lse_reference(inputs, attrs)
+    out, lse = op(**dev)
+    host = cp.asnumpy(out)
+    assert gc.rel_error(host, want_out) < gc.TOLERANCE[problem.dtype]
+    _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
+    again_out, again_lse = cupa.PagedAttention(**attrs, return_lse=True)(**gc.to_device(cp, inputs))
+    assert np.array_equal(cp.asnumpy(again_lse), cp.asnumpy(lse)), "lse not deterministic"
+
+
+@pytest.mark.parametrize("backend", dispatch.CUDA_BACKENDS)
+def test_return_lse_of_invalid_and_unowned_tokens(cp, rng, backend):
+    """Tokens of an invalid sequence, and tokens no sequence owns (the prefill zero pass), get -inf."""
+    inputs, attrs = gc.build(rng, q_lens=[40, 9, 30], past=[5, 3, 0], H=8, Hk=2, D=128, sink=True)
+    inputs["past_seqlens"][1] = -1
+    inputs["cumulative_sequence_length"][-1] -= 7
+    attrs = gc.with_options(attrs, backend=backend)
+    dev = gc.to_device(cp, inputs)
+    op = cupa.PagedAttention(**attrs, return_lse=True)
+    problem = op._problem(op._bind((), dev))
+    served = next(b for b in dispatch.cuda_backends() if b.name == backend)
+    if served.not_supported_reasons(problem, dispatch.device_info(dev["query"].data.device_id),
+                                    cupa.Options(backend=backend)):
+        pytest.skip(f"{backend} does not serve this call")
+    want_out, want_lse = _lse_reference(inputs, attrs)
+    assert np.isneginf(want_lse[40:49]).all() and np.isneginf(want_lse[-7:]).all()
+    out, lse = op(**dev)
+    _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
+    assert gc.rel_error(cp.asnumpy(out), want_out) < gc.TOLERANCE["float16"]
+
+
+def test_return_lse_costs_no_other_bits(cp, rng):
+    """The output with return_lse is the output without it, bit for bit (same launches, one more store)."""
+    for case in ("decode_fp16", "prefill_fp16"):
+        inputs, attrs = gc.build(rng, **LSE_CASES[case])
+        plain = cupa.paged_attention(**gc.to_device(cp, inputs), **attrs)
+        with_lse, _ = cupa.paged_attention(**gc.to_device(cp, inputs), **attrs, return_lse=True)
+        assert np.array_equal(cp.asnumpy(plain).view(np.uint16), cp.asnumpy(with_lse).view(np.uint16)), case
+
+
+# -- key shards and cascade on the device ----------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["decode_fp16", "decode_int8_window", "prefill_fp16"])
+def test_key_shards_merge_to_the_unsplit_call_on_the_device(cp, rng, case):
+    inputs, attrs = gc.build(rng, **LSE_CASES[case])
+    want_out, want_lse = _lse_reference(inputs, attrs)
+    tables = shard_block_tables(rng, inputs["block_table"], 3, how="ranges")
+    dev = gc.to_device(cp, inputs)
+    sink = dev.pop("head_sink", None)
+    parts = [cupa.paged_attention(**dict(dev, block_table=cp.asarray(t)), **attrs, return_lse=True) for t in tables]
+    out, lse = cupa.merge_states([p[0] for p in parts], [p[1] for p in parts], head_sink=sink)
+    assert gc.rel_error(cp.asnumpy(out), want_out) < gc.TOLERANCE[np.dtype(inputs["query"].dtype).name]
+    _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
+
+
+def _shared_prefix(rng, B=16, prefix=512, own=(0, 100), **kw):
+    past = [prefix + int(x) for x in rng.integers(own[0], own[1] + 1, size=B)]
+    inputs, attrs = gc.build(rng, q_lens=[1] * B, past=past, H=32, Hk=8, D=128, **kw)
+    bt = inputs["block_table"]
+    bt[:, :prefix // 16] = bt[0, :prefix // 16]
+    return inputs, attrs
+
+
+@pytest.mark.parametrize("mode", ["heads", "tokens"])
+@pytest.mark.parametrize("features", [dict(), dict(sink=True, softcap=30.0), dict(cache="int8"),
+                                      dict(rotary=True), dict(window=300, sink=True)])
+def test_cascade_equals_the_plain_call_on_the_device(cp, rng, mode, features):
+    if mode == "heads" and (features.get("rotary") or features.get("window", -1) > 0):
+        mode = "auto"
+    inputs, attrs = _shared_prefix(rng, **features)
+    want_out, want_lse = _lse_reference(inputs, attrs)
+    plain = gc.to_device(cp, inputs)
+    plain_out = cupa.paged_attention(**plain, **attrs)
+    dev = gc.to_device(cp, inputs)
+    op = cupa.CascadeAttention(prefix_len=512, prefix_mode=mode, return_lse=True, **attrs)
+    out, lse = op(**dev)
+    dtype = np.dtype(inputs["query"].dtype).name
+    assert gc.rel_error(cp.asnumpy(out), want_out) < gc.TOLERANCE[dtype]
+    assert gc.rel_error(cp.asnumpy(out), cp.asnumpy(plain_out)) < gc.TOLERANCE[dtype]
+    _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
+    for name in ("key_cache", "value_cache"):
+        assert np.array_equal(cp.asnumpy(dev[name]).view(np.uint8), cp.asnumpy(plain[name]).view(np.uint8)), name
+
+
+def test_cascade_with_torch_tensors(cp, torch_cuda, rng):
+    torch = torch_cuda
+    inputs, attrs = _shared_prefix(rng, B=8, sink=True)
+    want_out = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()},
+                                    **gc.host_attrs(attrs))
+    t = {k: (torch.from_numpy(v).cuda() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    out = cupa.CascadeAttention(prefix_len=512, **attrs)(**t)
+    assert isinstance(out, torch.Tensor) and out.is_cuda
+    assert gc.rel_error(out.float().cpu().numpy(), want_out) < gc.TOLERANCE["float16"]
+
+
+def test_steps_that_merge_are_capturable(cp, rng):
+    """Two shard calls + merge_states, and a cascade step, captured and replayed: the eager bits."""
+    inputs, attrs = _shared_prefix(rng, B=8, sink=True)
+    md = np.array([1, 2048], np.int32)
+    dev = gc.to_device(cp, inputs)
+    sink = dev.pop("head_sink")
+    tables = [cp.asarray(t) for t in shard_block_tables(rng, inputs["block_table"], 2)]
+    out = cp.empty((8, 32 * 128), np.float16)
+    cascade_out = cp.empty_like(out)
+    cascade = cupa.CascadeAttention(prefix_len=512, **attrs)
+
+    def step():
+        parts = [cupa.paged_attention(**dict(dev, block_table=t), **attrs, attention_metadata=md, return_lse=True)
+                 for t in tables]
+        cupa.merge_states([p[0] for p in parts], [p[1] for p in parts], head_sink=sink, out=out)
+        cascade(**dev, head_sink=sink, attention_metadata=md, out=cascade_out)
+
+    step()
+    eager, eager_cascade = cp.asnumpy(out), cp.asnumpy(cascade_out)
+    with cupa.capture_graph(step, warmup=0) as g:
+        out.fill(np.nan)
+        cascade_out.fill(np.nan)
+        g.replay()
+        g.stream.synchronize()
+        assert np.array_equal(cp.asnumpy(out).view(np.uint16), eager.view(np.uint16))
+        assert np.array_equal(cp.asnumpy(cascade_out).view(np.uint16), eager_cascade.view(np.uint16))
+
+
+@pytest.mark.slow
+def test_cascade_speedup_on_the_issue_case(tmp_path):
+    """Issue 21's case (B=64 decode sequences sharing an 8192-token prefix, 256 own tokens, fp16 GQA 32/8,
+    D=128) through the cascade suite of python -m cupa.bench: the cascade step >= 5x the plain call."""
+    import json
+
+    from cupa.bench import cli
+
+    out = tmp_path / "cascade.json"
+    assert cli.main(["--only", "cascade:B=64 prefix=8192 suffix=256", "--no-peers", "--no-plots", "--reps", "10",
+                     "--out", str(out)]) == 0
+    rec = next(r for r in json.loads(out.read_text())["cases"] if r["suite"] == "cascade")
+    assert rec["cupa"]["status"] == "ok", rec["cupa"]
+    assert rec["cupa"]["rel_err_vs_plain"] < 2e-3
+    assert rec["cupa"]["speedup_vs_plain"] >= 5.0, rec
