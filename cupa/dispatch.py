@@ -157,7 +157,9 @@ def account(problem: Problem, device: DeviceInfo, options: Options) -> str:
         reasons = _reasons_for_auto(b, problem, device, options) if options.backend == "auto" else \
             _eligible(b, problem, device, options)
         if b is chosen:
-            lines.append(f"{b.name}: chosen ({b.describe(problem, device, options)})")
+            unverified = ", ".join(FEATURES[f][0] for f in unverified_features(problem, b))
+            note = f"; {unverified}: not yet verified on a GPU" if unverified else ""
+            lines.append(f"{b.name}: chosen ({b.describe(problem, device, options)}{note})")
         elif options.backend != "auto" and b.name != options.backend:
             lines.append(f"{b.name}: not considered (options.backend={options.backend!r})")
         elif reasons:

@@ -240,3 +240,137 @@ def test_kernel_widening_in_order(host_quant, rng):
                                        (ml_dtypes.bfloat16, "float4e2m1")]):
         got = regs[:, k].copy().view(np.uint16).view(dtype).astype(np.float32)
         np.testing.assert_array_equal(got, cupa.dequantize(groups, ONE, name), err_msg=f"{np.dtype(dtype).name} {name}")
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
+
+from cupa import dispatch  # noqa: E402
+from cupa.device import describe_capability  # noqa: E402
+from cupa.kernels import backend as kbackend, decode, prefill, registry  # noqa: E402
+from tests import gpu_cases as gc  # noqa: E402
+
+H200 = describe_capability(9, 0)
+#: (K kind, V kind) of the packed caches the decode and prefill kernels read
+PACKED_PAIRS = [("int4", None), ("fp4", None), ("int4", "fp4"), ("fp4", "int4")]
+PREFILL_SHAPE = dict(q_lens=[40, 30], past=[10, 0])
+DECODE_SHAPE = dict(q_lens=[1, 1, 1], past=[100, 7, 3000])
+NOT_VERIFIED = "not yet verified on a GPU"
+
+
+def packed_problem(rng, cache="int4", v_cache=None, **kw):
+    args = dict(H=8, Hk=2, D=128, cache=cache, v_cache=v_cache, **PREFILL_SHAPE)
+    args.update(kw)
+    inputs, attrs = gc.build(rng, **args)
+    op = cupa.PagedAttention(**attrs)
+    return op._problem(op._bind((), inputs))
+
+
+@pytest.mark.parametrize("shape", [PREFILL_SHAPE, DECODE_SHAPE], ids=["prefill", "decode"])
+@pytest.mark.parametrize("cache,v_cache", PACKED_PAIRS)
+def test_auto_never_chooses_unverified_packed_kernels(rng, shape, cache, v_cache):
+    """Until tests/test_subbyte_gpu.py passes on a device, auto raises a PagedAttentionError naming the
+    backends to select, and explain() says why for each."""
+    p = packed_problem(rng, cache, v_cache, **shape)
+    assert p.sub_byte and p.packed
+    with pytest.raises(cupa.PagedAttentionError, match="no CUDA backend serves this call") as info:
+        dispatch.choose(p, H200, cupa.Options())
+    for name in ("decode", "prefill"):
+        assert f"select it with cupa.Options(backend={name!r})" in str(info.value)
+    text = dispatch.account(p, H200, cupa.Options())
+    for name in ("decode", "prefill"):
+        line = next(s for s in text.splitlines() if s.startswith(f"{name}: "))
+        assert f"not eligible: packed 4-bit caches (k/v_cache_dtype 'int4', 'float4e2m1'): {NOT_VERIFIED}" in line
+    for name in ("prefill_wgmma", "mla", "general"):
+        line = next(s for s in text.splitlines() if s.startswith(f"{name}: "))
+        assert "packed 4-bit caches (k/v_cache_dtype 'int4', 'float4e2m1') is not served here (the decode and " \
+               "prefill backends serve it)" in line, line
+
+
+@pytest.mark.parametrize("cache,v_cache", PACKED_PAIRS)
+@pytest.mark.parametrize("name", ["decode", "prefill"])
+def test_named_backends_serve_packed_caches(rng, cache, v_cache, name):
+    for shape in (PREFILL_SHAPE, DECODE_SHAPE):
+        p = packed_problem(rng, cache, v_cache, **shape)
+        options = cupa.Options(backend=name)
+        assert dispatch.choose(p, H200, options).name == name
+        chosen = next(s for s in dispatch.account(p, H200, options).splitlines() if s.startswith(f"{name}: "))
+        assert chosen.startswith(f"{name}: chosen") and NOT_VERIFIED in chosen, chosen
+
+
+@pytest.mark.parametrize("name", ["prefill_wgmma", "mla", "general"])
+def test_other_backends_decline_packed_caches(rng, name):
+    p = packed_problem(rng, "fp4")
+    with pytest.raises(cupa.PagedAttentionError, match=f"options.backend: {name!r} cannot serve this call: packed "
+                                                       "4-bit caches .* is not served here"):
+        dispatch.choose(p, H200, cupa.Options(backend=name))
+
+
+def test_once_verified_auto_chooses_decode_and_prefill(rng, monkeypatch):
+    """The gate is the backends' ``unverified`` set alone: emptied, auto picks as for any cache."""
+    monkeypatch.setattr(decode.BACKEND, "unverified", frozenset())
+    monkeypatch.setattr(prefill.BACKEND, "unverified", frozenset())
+    assert dispatch.choose(packed_problem(rng, **DECODE_SHAPE), H200, cupa.Options()).name == "decode"
+    assert dispatch.choose(packed_problem(rng, **PREFILL_SHAPE), H200, cupa.Options()).name == "prefill"
+    assert dispatch.choose(packed_problem(rng, dtype="float32"), H200, cupa.Options()).name == "decode"
+
+
+def test_a_4bit_cache_beside_an_8bit_one_is_declined_with_its_reason(rng):
+    """K int4 with V e4m3 bytes (one uint8 element type, rows of D/2 and D bytes): a valid call that the
+    reference serves and the kernels decline (packed_cache_reasons)."""
+    from tests import util
+
+    case = util.make_case(rng, cache="int4", v_cache="fp8_bytes", head_size=128, num_heads=8)
+    op = cupa.PagedAttention(**case.attrs)
+    p = op._problem(op._bind((), {k: v for k, v in case.inputs.items() if v is not None}))
+    assert p.sub_byte and not p.packed
+    assert kbackend.packed_cache_reasons(p) and not kbackend.packed_cache_reasons(packed_problem(rng))
+    for name in ("decode", "prefill"):
+        with pytest.raises(cupa.PagedAttentionError, match="k_cache_dtype='int4' with v_cache_dtype='float8e4m3fn': "
+                                                           "the kernels read K and V rows of one width"):
+            dispatch.choose(p, H200, cupa.Options(backend=name))
+    out = case.run()   # the reference serves it
+    assert np.isfinite(out.astype(np.float32)).all()
+
+
+def test_packed_tiles_take_half_the_shared_memory_of_8bit_ones():
+    """Stages of K and V rows of D/2 bytes (MmaDecodeSmem, PrefillSmem): the decode kernel's loop, or its
+    combine area where that is larger; the prefill's stages (its widened tiles are as for 8-bit codes)."""
+    for d in decode.MMA_HEAD_SIZES:
+        for stages in decode.MMA_STAGES:
+            q, keys = 16 * d * 2, decode.MMA_KEY_TILE
+            loop = q + stages * 2 * keys * (d // 2) + (stages + 1) * keys * 4
+            combine = q + 2 * 4 * 16 * 4 + 4 * 16 * (d + 4) * 4
+            assert decode.mma_shared_bytes(d, True, stages, packed=True) == max(loop, combine)
+    for d, tiles in prefill.TILES.items():
+        for tile in tiles:
+            stages = prefill.TILE_CONFIG[(d,) + tile][2]
+            assert (prefill.shared_bytes(d, True, tile) - prefill.shared_bytes(d, True, tile, packed=True)
+                    == stages * 2 * tile[1] * d // 2)
+
+
+@pytest.mark.parametrize("cache,v_cache", PACKED_PAIRS)
+def test_every_packed_launch_is_a_registered_specialization(rng, cache, v_cache):
+    """What a plan launches (prologue and attention kernel) is in registry.all_specializations(), so
+    ``python -m cupa.compile --check`` and ``--warm`` cover it: the tensor-core decode (both loops, D=64/128),
+    the CUDA-core decode (fp32, D=256, other head sizes) and the prefill tiles."""
+    specs = set(registry.all_specializations())
+    options = cupa.Options()
+    cases = [dict(DECODE_SHAPE, D=d, H=h, dtype=dt) for d in (64, 128) for h in (8, 32)
+             for dt in ("float16", "bfloat16")]
+    cases += [dict(DECODE_SHAPE, D=256), dict(DECODE_SHAPE, D=128, dtype="float32"), dict(DECODE_SHAPE, D=72)]
+    cases += [dict(PREFILL_SHAPE, D=d, dtype=dt) for d in (64, 128, 256) for dt in ("float16", "bfloat16")]
+    seen = set()
+    for kw in cases:
+        p = packed_problem(rng, cache, v_cache, **kw)
+        for device in (H200, describe_capability(8, 0), describe_capability(8, 9)):
+            launched = {registry.prologue_spec(p.dtype, p.cache_kind, v_cache_kind=p.v_cache_kind),
+                        decode.BACKEND._spec(p, device, options)}
+            if p.dtype in prefill.PREFILL_DTYPES and p.head_size in prefill.PREFILL_HEAD_SIZES:
+                launched.add(prefill.BACKEND._spec(p, device))
+            assert launched <= specs, launched - specs
+            seen |= launched
+    names = [s.name_expression for s in seen]
+    for kernel in ("paged_prologue<", "paged_decode_mma<", "paged_decode<", "paged_prefill<"):
+        assert any(n.startswith(kernel) for n in names), kernel
+    if v_cache is not None:   # V's own trait, last
+        assert all(n.endswith(f", {registry.types.cache(v_cache, 'float16')}>") for n in names), names
