@@ -48,7 +48,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
     int window, int is_causal, int k_quant, int v_quant, int q_is_input) {
   static_assert(Cache::PACK == VCache::PACK, "K and V rows of one width");
   constexpr int PACK = Cache::PACK;
-  constexpr int U = sizeof(typename Cache::storage) == 4 ? 2 : 4;  // keys in flight per subgroup
+  // keys in flight per subgroup: two for 32-bit values and for packed codes (whose unpacking takes the
+  // registers: with four, ptxas spills at 2 and 4 heads a CTA)
+  constexpr int U = (sizeof(typename Cache::storage) == 4 || PACK == 2) ? 2 : 4;
   __shared__ float sm_m[DECODE_WARPS][GT], sm_l[DECODE_WARPS][GT];
   __shared__ float sm_o[DECODE_WARPS][GT][MAX_HEAD_SIZE];
   __shared__ int last_flag;
