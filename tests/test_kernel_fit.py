@@ -48,8 +48,7 @@ def chosen(arch: str) -> list:
     """(spec, dynamic shared bytes) of every kernel a backend launches on a GPU of ``arch``."""
     device = describe_capability(*ARCHS[arch])
     out = []
-    # (K kind, V kind): one kind for both caches, or two packed 4-bit kinds
-    pairs = [(kind, kind) for kind in types.BYTE_KINDS] + list(types.PACKED_PAIRS)
+    pairs = types.KV_KINDS
     for dt in types.ACT_CXX:
         for kind, v_kind in pairs:
             out.append((registry.prologue_spec(dt, kind, v_cache_kind=v_kind), (prologue.PROLOGUE_THREADS // 32) * 256 * 4))

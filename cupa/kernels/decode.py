@@ -141,14 +141,12 @@ class DecodeBackend(CudaBackend):
 
     def specializations(self) -> list:
         specs = []
-        # (K kind, V kind): one kind for both caches, or two packed 4-bit kinds
-        pairs = [(kind, kind) for kind in types.BYTE_KINDS] + list(types.PACKED_PAIRS)
         for dtype in types.ACT_CXX:
-            for kind, v_kind in pairs:
+            for kind, v_kind in types.KV_KINDS:
                 specs.append(registry.prologue_spec(dtype, kind, v_cache_kind=v_kind))
                 specs.extend(registry.decode_spec(dtype, kind, heads, v_kind) for heads in types.HEAD_CHUNKS)
         for dtype in ("float16", "bfloat16"):
-            for kind, v_kind in pairs:
+            for kind, v_kind in types.KV_KINDS:
                 for stages in MMA_STAGES:
                     specs.extend(registry.decode_mma_spec(dtype, kind, d, stages, v_cache_kind=v_kind)
                                  for d in MMA_HEAD_SIZES)

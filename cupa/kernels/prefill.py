@@ -156,8 +156,7 @@ class PrefillBackend(CudaBackend):
         specs = []
         for dtype in PREFILL_DTYPES:
             specs.append(registry.prologue_spec(dtype, "T", token_loop=True))
-            # (K kind, V kind): one kind for both caches, or two packed 4-bit kinds
-            for kind, v_kind in [(kind, kind) for kind in types.BYTE_KINDS] + list(types.PACKED_PAIRS):
+            for kind, v_kind in types.KV_KINDS:
                 specs.append(registry.prologue_spec(dtype, kind, v_cache_kind=v_kind))
                 specs.extend(registry.prefill_spec(dtype, kind, d, tile, v_kind)
                              for d in PREFILL_HEAD_SIZES for tile in TILES[d])

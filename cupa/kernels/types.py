@@ -13,6 +13,9 @@ BYTE_KINDS = ("T", "int8", "fp8")
 PACKED_KINDS = ("int4", "fp4")
 #: (K kind, V kind) pairs of the packed 4-bit caches the kernels read
 PACKED_PAIRS = tuple((k, v) for k in PACKED_KINDS for v in PACKED_KINDS)
+#: (K kind, V kind) of every cache pair the decode and prefill kernels read: one kind for both, or two
+#: packed 4-bit kinds
+KV_KINDS = tuple((k, k) for k in BYTE_KINDS) + PACKED_PAIRS
 QUANT_CODE = {"NONE": 0, "PER_TENSOR": 1, "PER_CHANNEL": 2}
 #: query heads one decode CTA holds in registers
 HEAD_CHUNKS = (1, 2, 4, 8)
