@@ -1,10 +1,11 @@
-// Paged flash-decoding (CUDA cores; every T and cache type).
+// Paged flash-decoding (CUDA cores; every T and cache type; K and V of two packed 4-bit kinds).
 // One CTA owns (query token t, KV head g, a chunk of <= GT query heads of g's group, KV split s).
 // It reads the token's sequence, position and admitted key range from cum / past_seqlens /
 // query_positions on the device, then streams the keys of split s (absolute positions
 // [s*chunk, (s+1)*chunk) intersected with the admitted range) through the block table.
-// Lanes split the head dimension into 8-element chunks (16-byte loads for 16-bit caches);
-// LPK lanes cover one key, so a warp covers 32/LPK keys per step, several steps in flight.
+// Lanes split the head dimension into 8-element chunks (16-byte loads for 16-bit caches, 4 bytes
+// for packed 4-bit codes: Codes8); LPK lanes cover one key, so a warp covers 32/LPK keys per step,
+// several steps in flight.
 // Each subgroup keeps its own online-softmax state; states are merged in a fixed order
 // (xor tree within the warp, warps 0..3 in the CTA), then either finalized into `out` (the
 // token's only split with admitted keys) or written as a partial (m, l, o) that the last split
@@ -20,10 +21,23 @@
 constexpr int DECODE_WARPS = 4;
 constexpr int MAX_HEAD_SIZE = 256;
 
-template <typename T, typename Cache, int GT>
+// 8 consecutive codes of a cache row as they are loaded (Cache::PACK codes per storage element) and
+// decoded to floats.
+template <typename Cache, int PACK = Cache::PACK> struct Codes8 {
+  Vec8<typename Cache::storage> v;
+  CUPA_DEVICE void load_nc(const typename Cache::storage* p) { v.load_nc(p); }
+  CUPA_DEVICE float value(int i) const { return Cache::decode(v.elems()[i]); }
+};
+template <typename Cache> struct Codes8<Cache, 2> {
+  unsigned w;  // code i in bits 4i..4i+3
+  CUPA_DEVICE void load_nc(const typename Cache::storage* p) { w = __ldg(reinterpret_cast<const unsigned*>(p)); }
+  CUPA_DEVICE float value(int i) const { return Cache::decode_nibble(w >> (4 * i)); }
+};
+
+template <typename T, typename Cache, int GT, typename VCache = Cache>
 __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
     const T* __restrict__ q,  // (N, H, D): prologue output
-    const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
+    const typename Cache::storage* __restrict__ key_cache, const typename VCache::storage* __restrict__ value_cache,
     const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
     const int* __restrict__ query_positions, const T* __restrict__ head_sink,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
@@ -32,7 +46,11 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
     int num_heads, int kv_num_heads, int head_size, int batch_size, int num_blocks, int block_size,
     int max_blocks, int chunk, int num_splits, int rotary_max_pos, float scale, float softcap,
     int window, int is_causal, int k_quant, int v_quant, int q_is_input) {
-  constexpr int U = sizeof(typename Cache::storage) == 4 ? 2 : 4;  // keys in flight per subgroup
+  static_assert(Cache::PACK == VCache::PACK, "K and V rows of one width");
+  constexpr int PACK = Cache::PACK;
+  // keys in flight per subgroup: two for 32-bit values and for packed codes (whose unpacking takes the
+  // registers: with four, ptxas spills at 2 and 4 heads a CTA)
+  constexpr int U = (sizeof(typename Cache::storage) == 4 || PACK == 2) ? 2 : 4;
   __shared__ float sm_m[DECODE_WARPS][GT], sm_l[DECODE_WARPS][GT];
   __shared__ float sm_o[DECODE_WARPS][GT][MAX_HEAD_SIZE];
   __shared__ int last_flag;
@@ -88,10 +106,11 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
     for (int i = 0; i < 8; ++i) acc[gi][i] = 0.0f;
   }
 
-  const long long row_stride = (long long)Hk * D;
+  const long long row_stride = (long long)Hk * (D / PACK);  // storage elements per slot
   const int step = DECODE_WARPS * kpi;
   for (int base = lo + warp * kpi + sg; base - sg - warp * kpi < hi; base += U * step) {
-    Vec8<typename Cache::storage> kv[U], vv[U];
+    Codes8<Cache> kv[U];
+    Codes8<VCache> vv[U];
     bool ok[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -102,7 +121,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
         if (blk >= 0) {
           ok[u] = true;
           if (lane_active) {
-            const long long off = ((long long)blk * block_size + k % block_size) * row_stride + (long long)g * D + ci * 8;
+            const long long off =
+                ((long long)blk * block_size + k % block_size) * row_stride + (long long)g * (D / PACK) + ci * (8 / PACK);
             kv[u].load_nc(key_cache + off);
             vv[u].load_nc(value_cache + off);
           }
@@ -114,8 +134,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_decode(
       float kf[8], vf[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        kf[i] = (ok[u] && lane_active) ? Cache::decode(kv[u].elems()[i]) : 0.0f;
-        vf[i] = (ok[u] && lane_active) ? Cache::decode(vv[u].elems()[i]) : 0.0f;
+        kf[i] = (ok[u] && lane_active) ? kv[u].value(i) : 0.0f;
+        vf[i] = (ok[u] && lane_active) ? vv[u].value(i) : 0.0f;
       }
 #pragma unroll
       for (int gi = 0; gi < GT; ++gi) {

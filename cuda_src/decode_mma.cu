@@ -1,4 +1,4 @@
-// Paged flash-decoding on tensor cores (fp16/bf16 T; T, int8 or fp8 caches; head_size 64/128).
+// Paged flash-decoding on tensor cores (fp16/bf16 T; T, int8, fp8 or packed 4-bit caches; head_size 64/128).
 // One CTA owns (query token t, KV head g, a chunk of up to 16 query heads of g's group, split s):
 // the chunk's heads are the 16 rows of an mma.sync m16n8k16 tile (8 heads, the N of the tile, in
 // the KEYS_AS_M loop), so each KV byte is read once per KV head and chunk. Keys of the split's
@@ -24,8 +24,24 @@
 //   2c+9}: it loads D/8 consecutive channels of each of those 4 rows and transposes bytes with
 //   prmt. Output columns are permuted accordingly (column n of n-tile j is channel n*D/8 + j).
 // Both tiles are swizzled in 16-byte chunks so these loads are free of bank conflicts (D=128).
+// Packed 4-bit caches (int4, e2m1; V may be the other kind, VCache): rows of D/2 bytes, widened
+// straight into fragments too (Widen8 in quant.cuh: a word of 8 codes j = 0..7 gives registers
+// (j, j + 4) for j < 4):
+// - K: lane c of a quad reads bytes c*D/8 .. (c+1)*D/8 of its key (all D/16 k-steps at once); word
+//   x (dims d = c*D/4 + 8x + 0..7) gives k-steps 2x and 2x+1: k-step 2x + j holds dims d + 2j and
+//   d + 2j + 4 at mma positions {2c, 2c+1}, d + 2j + 1 and d + 2j + 5 at {2c+8, 2c+9}; the Q
+//   fragments are gathered with the same permutation. A K tile is plain rows (conflict free).
+// - V: lane (n, c) reads D/16 bytes (channels n*D/8 ..) of keys {2c, 2c+1, 2c+8, 2c+9}; prmt puts
+//   the same 4 channels of two keys in one word, which widens into one register per channel of the
+//   key pair: the output columns are those of the 8-bit caches. Rows are placed in the V tile
+//   (code4_v_offset) so that each half-warp's 8-byte loads (D=128) or warp's 4-byte loads (D=64)
+//   hit every bank once.
 // The K scale is folded into Q (PER_CHANNEL) or the score scale (PER_TENSOR), the V scale into
 // the epilogue.
+//
+// Floor of the target case (H200, fp16 query, GQA 32/8, D=128, block 16, B=64, L=4096): a 4-bit
+// cache reads 64 * 4096 * 8 * 128 bytes of K and as many of V, 0.27 GB, ~60 us at 4.5 TB/s; the
+// target is <= 75 us for int4 and e2m1 (the 8-bit caches, 0.54 GB, ~146 us).
 #include "common.cuh"
 #include "epilogue.cuh"
 #include "mma.cuh"
@@ -45,7 +61,7 @@ constexpr unsigned NO_ROW = 0xffffffffu;  // a masked key's row index
 // capped at 128 for 4 CTAs per SM.
 template <typename Cache> struct MmaMinCtas { static constexpr int value = Cache::quantized ? 4 : 1; };
 
-// KEYS_AS_M (a template parameter, 8-bit caches only): the loop with keys as the MMA's M dimension.
+// KEYS_AS_M (a template parameter, quantized caches only): the loop with keys as the MMA's M dimension.
 // S^T = K Q^T (A: the warp's 16 keys widened from codes, B: Q^T, N: 8 query heads per CTA) and
 // O^T += V^T P^T (A: 16 channels x 16 keys widened from codes, B: P^T, moved from the S^T
 // accumulators by movmatrix.trans). With a GQA group of 8 or fewer heads, half the MMAs and
@@ -68,7 +84,8 @@ template <typename T, typename Cache, int D, int NST>
 struct MmaDecodeSmem {
   using C = typename Cache::storage;
   static constexpr int q_bytes = MMA_ROWS * D * 2;
-  static constexpr int stage_bytes = 2 * KEY_TILE * D * (int)sizeof(C);        // K and V tiles as stored
+  static constexpr int row_bytes = D * (int)sizeof(C) / Cache::PACK;                // a K or V row as stored
+  static constexpr int stage_bytes = 2 * KEY_TILE * row_bytes;                     // K and V tiles
   static constexpr int rows_bytes = (NST + 1) * KEY_TILE * 4;  // row indices, one tile ahead
   static constexpr int combine_bytes = 2 * MMA_WARPS * MMA_ROWS * 4 + MMA_WARPS * MMA_ROWS * (D + 4) * 4;
   static constexpr int loop_bytes = q_bytes + NST * stage_bytes + rows_bytes;
@@ -89,6 +106,60 @@ template <int D> CUPA_DEVICE int code_v_offset(int key, int chunk) {
   if (D == 128) return key * 128 + ((chunk ^ (key & 6)) << 4);
   const int pair = key >> 1;
   return pair * 128 + (((((key & 1) << 2) | chunk) ^ ((pair & 3) << 1)) << 4);
+}
+
+// Byte offset of 16-byte chunk `chunk` of key row `key` in a 4-bit V tile (rows of D/2 bytes).
+// D=128: two rows per 128 bytes (line key/2); chunk v of key k sits in 16-byte slot
+// (v & 1) | ((v >> 1) ^ b ^ m0) << 1 | (b ^ m1) << 2 with b = k & 1, m = (k >> 1) & 3: the 8-byte
+// unit r (= 2v + half) of keys 2c + i (c = 0..3, i fixed) lands in 8-byte group r + 4 f(c), f a
+// bijection, for each half-warp's r = 0..3 or 4..7. D=64: four rows per 128 bytes (line k/4),
+// quarter (k & 3) ^ ((k >> 2) & 1): keys 2c + i take four different quarters.
+template <int D> CUPA_DEVICE int code4_v_offset(int key, int chunk) {
+  if (D == 128) {
+    const int b = key & 1, m = (key >> 1) & 3;
+    return (key >> 1) * 128 + (((chunk & 1) | (((chunk >> 1) ^ b ^ (m & 1)) << 1) | ((b ^ (m >> 1)) << 2)) << 4);
+  }
+  return (key >> 2) * 128 + (((key & 3) ^ ((key >> 2) & 1)) << 5) + (chunk << 4);
+}
+
+// The V words lane (r, c) of `warp` widens (4-bit V tile, see the header): channels r*D/8 ..
+// r*D/8 + D/8 - 1 of the warp's keys 2c, 2c+1, 2c+8, 2c+9 (i = 0..3), D/64 words of 8 channels each.
+template <int D>
+CUPA_DEVICE void load_v_code4(const unsigned char* sVc, int warp, int lane, unsigned (&w)[4][D / 64]) {
+  const int r = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int key = warp * 16 + 2 * c + (i & 1) + (i >> 1) * 8;
+    if constexpr (D == 128) {  // 8-byte unit r: chunk r / 2, half r % 2
+      const uint2 v = *reinterpret_cast<const uint2*>(sVc + code4_v_offset<D>(key, r >> 1) + ((r & 1) << 3));
+      w[i][0] = v.x;
+      w[i][1] = v.y;
+    } else {  // 4-byte unit r: chunk r / 4
+      static_assert(D == 64, "head_size 64 or 128");
+      w[i][0] = *reinterpret_cast<const unsigned*>(sVc + code4_v_offset<D>(key, r >> 2) + ((r & 3) << 2));
+    }
+  }
+}
+
+// The D/32 words of 4-bit K codes lane c of a quad reads from its key row `key` (bytes c*D/8 ..).
+template <int D> CUPA_DEVICE void load_k_code4(const unsigned char* sKc, int key, int c, unsigned (&w)[D / 32]) {
+  const unsigned char* src = sKc + key * (D / 2) + c * (D / 8);
+  if constexpr (D == 128) {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    w[0] = v.x;
+    w[1] = v.y;
+    w[2] = v.z;
+    w[3] = v.w;
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    w[0] = v.x;
+    w[1] = v.y;
+  }
+}
+
+// Two 16-bit T values as one fragment register (lo in the low half).
+template <typename T> CUPA_DEVICE unsigned pair_bits(T lo, T hi) {
+  return (unsigned)*reinterpret_cast<const unsigned short*>(&lo) | ((unsigned)*reinterpret_cast<const unsigned short*>(&hi) << 16);
 }
 
 // The V codes lane (r, c) of `warp` widens into MMA fragments (8-bit V tile, see the header):
@@ -128,10 +199,11 @@ CUPA_DEVICE void cp_async_16x2_unless_no_row(unsigned sk, unsigned sv, const voi
 // The cp.async copies of one K/V tile of KEY_TILE rows gathered through the block table: each
 // thread always copies the same 16-byte column of rows key0, key0 + KEY_STEP, ...; every swizzle
 // used here depends only on key bits those steps leave alone, so a thread's destinations are one
-// base plus constants. Tiles of 16-bit values are swizzled for ldmatrix, code tiles as above.
-template <typename C, bool CODES, int D>
+// base plus constants. Tiles of 16-bit values are swizzled for ldmatrix, code tiles as above
+// (BITS: the bits of a stored code, 16, 8 or 4).
+template <int BITS, int D>
 struct TileCopy {
-  static constexpr int ROW_BYTES = D * (int)sizeof(C);
+  static constexpr int ROW_BYTES = D * BITS / 8;
   static constexpr int CHUNKS = ROW_BYTES / 16;
   static constexpr int THREADS = MMA_WARPS * 32;
   static constexpr int KEY_STEP = THREADS / CHUNKS;
@@ -149,7 +221,10 @@ struct TileCopy {
     // instead of re-splitting it into a uniform base plus 64-bit per-thread offsets.
     asm("mov.b64 %0, %1;" : "=l"(kcol) : "l"(key_cache + chunk * 16));
     v_minus_k = reinterpret_cast<unsigned long long>(value_cache) - reinterpret_cast<unsigned long long>(key_cache);
-    if constexpr (CODES) {
+    if constexpr (BITS == 4) {
+      dk0 = key0 * ROW_BYTES + chunk * 16;
+      dv0 = KEY_TILE * ROW_BYTES + code4_v_offset<D>(key0, chunk);
+    } else if constexpr (BITS == 8) {
       dk0 = code_k_offset<D>(key0, chunk);
       dv0 = KEY_TILE * ROW_BYTES + code_v_offset<D>(key0, chunk);
     } else {
@@ -170,10 +245,10 @@ struct TileCopy {
   }
 };
 
-template <typename T, typename Cache, int D, int STAGES, bool KEYS_AS_M>
+template <typename T, typename Cache, int D, int STAGES, bool KEYS_AS_M, typename VCache = Cache>
 __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) paged_decode_mma(
     const T* __restrict__ q,  // (N, H, D): prologue output
-    const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
+    const typename Cache::storage* __restrict__ key_cache, const typename VCache::storage* __restrict__ value_cache,
     const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
     const int* __restrict__ query_positions, const T* __restrict__ head_sink,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
@@ -186,7 +261,10 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   using L = MmaDecodeSmem<T, Cache, D, STAGES>;
   constexpr int NST = STAGES;
   static_assert(D % 64 == 0 && D <= 128, "head_size 64 or 128");
-  static_assert(!KEYS_AS_M || Cache::quantized, "the keys-as-M loop reads 8-bit caches");
+  static_assert(!KEYS_AS_M || Cache::quantized, "the keys-as-M loop reads quantized caches");
+  static_assert(Cache::quantized == VCache::quantized && Cache::PACK == VCache::PACK, "K and V rows of one width");
+  constexpr bool PACKED = Cache::PACK == 2;  // 4-bit codes, two a byte
+  constexpr int CODE_BITS = PACKED ? 4 : 8 * (int)sizeof(C);
 
   extern __shared__ __align__(16) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
@@ -236,7 +314,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
           blk >= 0 ? ((unsigned)blk * (unsigned)block_size + (unsigned)ko) * (unsigned)Hk + (unsigned)g : NO_ROW;
     }
   };
-  const TileCopy<C, Cache::quantized, D> copier(tid, reinterpret_cast<const char*>(key_cache),
+  const TileCopy<CODE_BITS, D> copier(tid, reinterpret_cast<const char*>(key_cache),
                                                  reinterpret_cast<const char*>(value_cache));
   const unsigned stages_addr = smem_addr(stages);
   auto load_tile = [&](int tile) {
@@ -276,7 +354,20 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   }
 
   unsigned qf[D / 16][4];
-  if constexpr (Cache::quantized) {
+  if constexpr (PACKED) {
+    // k-step 2x + j of lane c: dims d + 2j, d + 2j + 4 (positions 2c, 2c+1) and d + 2j + 1, d + 2j + 5
+    // (2c+8, 2c+9), d = c*D/4 + 8x (see the header).
+    const int r = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int d = c * (D / 4) + 8 * (kk >> 1) + 2 * (kk & 1);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // rows r, r + 8
+        qf[kk][h] = pair_bits<T>(sQ[swz<D>(r + 8 * h, d)], sQ[swz<D>(r + 8 * h, d + 4)]);
+        qf[kk][2 + h] = pair_bits<T>(sQ[swz<D>(r + 8 * h, d + 1)], sQ[swz<D>(r + 8 * h, d + 5)]);
+      }
+    }
+  } else if constexpr (Cache::quantized) {
     // Permuted k-steps (see the header): k-step 4h + s holds dims 64h + 16c + 4s + {0,1 | 2,3}.
     const int r = lane >> 2, c = lane & 3;
 #pragma unroll
@@ -320,17 +411,32 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       // of the header); A rows r and r + 8 are keys r and r + 8.
       float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const int k0 = warp * 16 + r;
+      if constexpr (PACKED) {  // keys r, r + 8: a word of each per two k-steps (Widen8 pairs, see the header)
+        unsigned w0[D / 32], w1[D / 32];
+        load_k_code4<D>(st, k0, c, w0);
+        load_k_code4<D>(st, k0 + 8, c, w1);
 #pragma unroll
-      for (int h = 0; h < D / 64; ++h) {
-        const uint4 w0 = *reinterpret_cast<const uint4*>(st + code_k_offset<D>(k0, h * 4 + c));
-        const uint4 w1 = *reinterpret_cast<const uint4*>(st + code_k_offset<D>(k0 + 8, h * 4 + c));
-        const unsigned ws0[4] = {w0.x, w0.y, w0.z, w0.w}, ws1[4] = {w1.x, w1.y, w1.z, w1.w};
+        for (int x = 0; x < D / 32; ++x) {
+          unsigned a0[4], a1[4];
+          Widen8<T, Cache>::run(w0[x], a0);
+          Widen8<T, Cache>::run(w1[x], a1);
+          const unsigned lo[4] = {a0[0], a1[0], a0[1], a1[1]}, hi[4] = {a0[2], a1[2], a0[3], a1[3]};
+          Mma<T>::run(sc, lo, qf[2 * x][0], qf[2 * x][2]);
+          Mma<T>::run(sc, hi, qf[2 * x + 1][0], qf[2 * x + 1][2]);
+        }
+      } else {
 #pragma unroll
-        for (int q4 = 0; q4 < 4; ++q4) {
-          unsigned a[4];
-          Widen4<T, Cache>::run(ws0[q4], a[0], a[2]);
-          Widen4<T, Cache>::run(ws1[q4], a[1], a[3]);
-          Mma<T>::run(sc, a, qf[h * 4 + q4][0], qf[h * 4 + q4][2]);
+        for (int h = 0; h < D / 64; ++h) {
+          const uint4 w0 = *reinterpret_cast<const uint4*>(st + code_k_offset<D>(k0, h * 4 + c));
+          const uint4 w1 = *reinterpret_cast<const uint4*>(st + code_k_offset<D>(k0 + 8, h * 4 + c));
+          const unsigned ws0[4] = {w0.x, w0.y, w0.z, w0.w}, ws1[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+          for (int q4 = 0; q4 < 4; ++q4) {
+            unsigned a[4];
+            Widen4<T, Cache>::run(ws0[q4], a[0], a[2]);
+            Widen4<T, Cache>::run(ws1[q4], a[1], a[3]);
+            Mma<T>::run(sc, a, qf[h * 4 + q4][0], qf[h * 4 + q4][2]);
+          }
         }
       }
       const unsigned* rows = sRows + (tile % (NST + 1)) * KEY_TILE + warp * 16;
@@ -371,17 +477,37 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       }
       // O^T += V^T P^T: lane (r, c) loads channels r*D/8 .. r*D/8 + D/8 - 1 of keys {2c, 2c+1, 2c+8,
       // 2c+9}; byte pairs of two keys are transposed with prmt and widened into A fragments.
-      unsigned w[4][WORDS];
-      load_v_codes<D>(st + KEY_TILE * D, warp, lane, w);
+      if constexpr (PACKED) {
+        // Word x: channels 8x + 0..7 of the lane's D/8; m-tile 4x + q has channels 8x + 2q (row r) and
+        // 8x + 2q + 1 (row r + 8), keys (2c, 2c+1 | 2c+8, 2c+9) from the two prmt-joined key pairs.
+        unsigned w[4][D / 64];
+        load_v_code4<D>(st + KEY_TILE * (D / 2), warp, lane, w);
 #pragma unroll
-      for (int x = 0; x < WORDS; ++x) {
-        unsigned a0[4], a1[4];  // m-tiles 2x (channels 4x, 4x+1) and 2x+1 (channels 4x+2, 4x+3)
-        Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x5140), a0[0], a0[1]);
-        Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x5140), a0[2], a0[3]);
-        Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x7362), a1[0], a1[1]);
-        Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x7362), a1[2], a1[3]);
-        Mma<T>::run(ot[2 * x], a0, pb[0], pb[1]);
-        Mma<T>::run(ot[2 * x + 1], a1, pb[0], pb[1]);
+        for (int x = 0; x < D / 64; ++x) {
+#pragma unroll
+          for (int hlf = 0; hlf < 2; ++hlf) {  // channels 8x + 4hlf + 0..3
+            const unsigned sel = hlf ? 0x7632u : 0x5410u;
+            unsigned p01[4], p89[4];  // per channel: keys (2c, 2c+1) and (2c+8, 2c+9)
+            Widen8<T, VCache>::run(byte_perm(w[0][x], w[1][x], sel), p01);
+            Widen8<T, VCache>::run(byte_perm(w[2][x], w[3][x], sel), p89);
+            const unsigned a0[4] = {p01[0], p01[1], p89[0], p89[1]}, a1[4] = {p01[2], p01[3], p89[2], p89[3]};
+            Mma<T>::run(ot[4 * x + 2 * hlf], a0, pb[0], pb[1]);
+            Mma<T>::run(ot[4 * x + 2 * hlf + 1], a1, pb[0], pb[1]);
+          }
+        }
+      } else {
+        unsigned w[4][WORDS];
+        load_v_codes<D>(st + KEY_TILE * D, warp, lane, w);
+#pragma unroll
+        for (int x = 0; x < WORDS; ++x) {
+          unsigned a0[4], a1[4];  // m-tiles 2x (channels 4x, 4x+1) and 2x+1 (channels 4x+2, 4x+3)
+          Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x5140), a0[0], a0[1]);
+          Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x5140), a0[2], a0[3]);
+          Widen4<T, Cache>::run(__byte_perm(w[0][x], w[1][x], 0x7362), a1[0], a1[1]);
+          Widen4<T, Cache>::run(__byte_perm(w[2][x], w[3][x], 0x7362), a1[2], a1[3]);
+          Mma<T>::run(ot[2 * x], a0, pb[0], pb[1]);
+          Mma<T>::run(ot[2 * x + 1], a1, pb[0], pb[1]);
+        }
       }
     }
     cp_async_wait<0>();
@@ -427,7 +553,21 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
       float s2[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};  // (16-bit caches) odd k-steps
       const unsigned char* st = stages + stage * L::stage_bytes;
-      if constexpr (Cache::quantized) {
+      if constexpr (PACKED) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int key = warp * 16 + j * 8 + (lane >> 2);
+          unsigned w[D / 32];
+          load_k_code4<D>(st, key, lane & 3, w);
+#pragma unroll
+          for (int x = 0; x < D / 32; ++x) {  // k-steps 2x, 2x + 1 (see the header)
+            unsigned b[4];
+            Widen8<T, Cache>::run(w[x], b);
+            Mma<T>::run(s[j], qf[2 * x], b[0], b[1]);
+            Mma<T>::run(s[j], qf[2 * x + 1], b[2], b[3]);
+          }
+        }
+      } else if constexpr (Cache::quantized) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int key = warp * 16 + j * 8 + (lane >> 2);
@@ -520,7 +660,23 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       }
       unsigned a[4] = {Mma<T>::pack(p[0][0], p[0][1]), Mma<T>::pack(p[0][2], p[0][3]),
                        Mma<T>::pack(p[1][0], p[1][1]), Mma<T>::pack(p[1][2], p[1][3])};
-      if constexpr (Cache::quantized) {
+      if constexpr (PACKED) {
+        // Lane (n, c): channels n*D/8 + 8x + 4hlf + e (e = 0..3) of keys (2c, 2c+1) and (2c+8, 2c+9).
+        unsigned w[4][D / 64];
+        load_v_code4<D>(st + KEY_TILE * (D / 2), warp, lane, w);
+#pragma unroll
+        for (int x = 0; x < D / 64; ++x) {
+#pragma unroll
+          for (int hlf = 0; hlf < 2; ++hlf) {
+            const unsigned sel = hlf ? 0x7632u : 0x5410u;
+            unsigned b0[4], b1[4];
+            Widen8<T, VCache>::run(byte_perm(w[0][x], w[1][x], sel), b0);
+            Widen8<T, VCache>::run(byte_perm(w[2][x], w[3][x], sel), b1);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) Mma<T>::run(o[8 * x + 4 * hlf + e], a, b0[e], b1[e]);
+          }
+        }
+      } else if constexpr (Cache::quantized) {
         // Lane (n, c): channels n*D/8 .. n*D/8 + D/8 - 1 of keys {2c, 2c+1, 2c+8, 2c+9}, bytes
         // transposed into (key pair, channel) words, then widened into B fragments.
         constexpr int WORDS = D / 32;  // 4-channel words per row and lane

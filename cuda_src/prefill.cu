@@ -1,4 +1,4 @@
-// Paged prefill on tensor cores (fp16/bf16 T; T, int8 or fp8 caches; head_size 64/128/256).
+// Paged prefill on tensor cores (fp16/bf16 T; T, int8, fp8 or packed 4-bit caches; head_size 64/128/256).
 // One CTA owns a tile of ROWS query rows of ONE sequence b and ONE KV head g. A sequence's rows
 // are its (new token, query head of g's group) pairs in token-major order, row = j*G + gi, so the
 // G heads of a token sit in one tile and each K/V byte is read once per KV head and tile. Each of
@@ -14,8 +14,9 @@
 // selected to -inf, V values that meet P = 0 have Inf / NaN replaced by 0 (16-key steps outside the
 // warp's intersection of ranges; fp8 codes as they are widened), and rows without admitted keys
 // write zeros.
-// Quantized tiles land as codes and are widened to T in shared memory; the K scale is folded into
-// Q (PER_CHANNEL) or the score scale (PER_TENSOR), the V scale into the epilogue.
+// Quantized tiles land as codes (packed 4-bit codes: rows of D/2 bytes; VCache, V's trait, may be the
+// other 4-bit kind) and are widened to T in shared memory; the K scale is folded into Q (PER_CHANNEL)
+// or the score scale (PER_TENSOR), the V scale into the epilogue.
 //
 // Launch (one dimension, no host value read from the device): zero_ctas zero-pass CTAs, then
 // num_tiles * Hk attention CTAs. The row tiles of all sequences are numbered on one axis: sequence
@@ -64,12 +65,13 @@ template <typename T, typename Cache, int D, int ROWS_, int KEYS_>
 struct PrefillSmem {
   using Cfg = PrefillConfig<D, ROWS_, KEYS_>;
   using C = typename Cache::storage;
+  static constexpr int code_row_bytes = D * (int)sizeof(C) / Cache::PACK;  // a cache row as stored
   static constexpr int ROWS = ROWS_;
   static constexpr int KEYS = KEYS_;
   static_assert(ROWS == 16 * Cfg::M_TILES * Cfg::WARPS, "the warps' m16 tiles cover the CTA's rows");
   static constexpr int NST = Cfg::STAGES;
   static constexpr int q_bytes = ROWS * D * 2;                                   // Q tile, then the output tile
-  static constexpr int stage_bytes = 2 * KEYS * D * (int)sizeof(C);               // K and V tiles as stored
+  static constexpr int stage_bytes = 2 * KEYS * code_row_bytes;                   // K and V tiles as stored
   static constexpr int wide_bytes = Cache::quantized ? 2 * KEYS * D * 2 : 0;      // widened K and V
   static constexpr int rows_bytes = (NST + 1) * KEYS * 8;                         // row byte offsets, one tile ahead
   static constexpr int bytes_bytes = (NST + 1) * KEYS * 4;                        // copy sizes (16 or 0: masked)
@@ -80,12 +82,12 @@ struct PrefillSmem {
   static_assert(total <= 163 * 1024, "an sm_80 CTA's dynamic shared memory");
 };
 
-template <typename T, typename Cache, int D, int TILE_ROWS, int TILE_KEYS>
+template <typename T, typename Cache, int D, int TILE_ROWS, int TILE_KEYS, typename VCache = Cache>
 __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS * 32,
                                   PrefillConfig<D, TILE_ROWS, TILE_KEYS>::MIN_CTAS) paged_prefill(
     const T* __restrict__ q,  // (N, H, D): prologue output, or `query` itself
     const T* __restrict__ key, const T* __restrict__ value,  // new K/V rows to read (NewKeys), or null
-    const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
+    const typename Cache::storage* __restrict__ key_cache, const typename VCache::storage* __restrict__ value_cache,
     const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
     const int* __restrict__ query_positions, const T* __restrict__ head_sink,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, T* __restrict__ out,
@@ -98,6 +100,9 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   constexpr int WARPS = Cfg::WARPS, THREADS = WARPS * 32, ROWS = L::ROWS, KEYS = L::KEYS, NST = L::NST;
   constexpr int MASK_WORDS = KEYS / 32;
   constexpr bool CLEAN_CODES = Cache::quantized && !Cache::always_finite;  // fp8: NaN codes
+  constexpr int CODE_ROW = L::code_row_bytes;  // bytes of a K or V row in a stage
+  static_assert(Cache::quantized == VCache::quantized && Cache::PACK == VCache::PACK && VCache::always_finite ==
+                Cache::always_finite, "K and V caches of one storage layout");
   static_assert(D % 64 == 0 && D <= 256, "head_size 64, 128 or 256");
   static_assert(KEYS % 32 == 0 && KEYS <= THREADS, "one thread per key row when finding rows");
   static_assert(ROWS <= THREADS && ROWS % 32 == 0, "one thread per query row when locating rows");
@@ -213,8 +218,8 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
     }
   }
 
-  const long long row_stride_bytes = (long long)Hk * D * (long long)sizeof(C);
-  const long long head_bytes = (long long)g * D * (long long)sizeof(C);
+  const long long row_stride_bytes = (long long)Hk * CODE_ROW;
+  const long long head_bytes = (long long)g * CODE_ROW;
   const FastDiv block_div(block_size);
   // Byte offsets of the rows of key tile `kt` into rows slot `rs` (0 for masked keys, whose copies
   // are zero-filled: sBytes 0), and the tile's mapped-key bit mask.
@@ -239,17 +244,17 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   };
   // cp.async of key tile into stage `st` from rows slot `rs`: a thread always copies the same
   // 16-byte column of rows key0, key0 + KSTEP, ..., so its swizzled destination is one offset.
-  constexpr int CHUNKS_PER_ROW = D * (int)sizeof(C) / 16, KSTEP = THREADS / CHUNKS_PER_ROW;
+  constexpr int CHUNKS_PER_ROW = CODE_ROW / 16, KSTEP = THREADS / CHUNKS_PER_ROW;
   static_assert(THREADS % CHUNKS_PER_ROW == 0 && KEYS % KSTEP == 0, "whole copy rounds");
   // The swizzle repeats every 8 rows: with KSTEP % 8 == 4 (D=256 on 4 warps) it alternates between
   // two offsets, rows key0 + 8j (even rounds) and key0 + 4 + 8j (odd rounds).
   constexpr bool TWO_PHASES = !Cache::quantized && KSTEP % 8 != 0;
   static_assert(Cache::quantized || KSTEP % 4 == 0, "at most two swizzle phases per thread");
   const int copy_key0 = tid / CHUNKS_PER_ROW, copy_col = (tid % CHUNKS_PER_ROW) * 16;  // bytes
-  const unsigned copy_dst = Cache::quantized ? (unsigned)(copy_key0 * D + copy_col)
+  const unsigned copy_dst = Cache::quantized ? (unsigned)(copy_key0 * CODE_ROW + copy_col)
                                              : (unsigned)(2 * swz<D>(copy_key0, copy_col / 2));
   const unsigned copy_dst_odd =
-      TWO_PHASES ? (unsigned)(2 * swz<D>(copy_key0 + KSTEP, copy_col / 2) - KSTEP * D * (int)sizeof(C)) : copy_dst;
+      TWO_PHASES ? (unsigned)(2 * swz<D>(copy_key0 + KSTEP, copy_col / 2) - KSTEP * CODE_ROW) : copy_dst;
   const unsigned char* k_src =
       reinterpret_cast<const unsigned char*>(from_inputs ? (const void*)key : (const void*)key_cache) + copy_col;
   const unsigned char* v_src =
@@ -269,8 +274,8 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
 #pragma unroll
     for (int i = 0; i < KEYS / KSTEP; ++i) {
       const unsigned d = (TWO_PHASES && (i & 1)) ? dK_odd : dK;
-      cp_async_16_or_zero(d + i * KSTEP * D * (int)sizeof(C), k_src + off[i], n[i]);
-      cp_async_16_or_zero(d + KEYS * D * (int)sizeof(C) + i * KSTEP * D * (int)sizeof(C), v_src + off[i], n[i]);
+      cp_async_16_or_zero(d + i * KSTEP * CODE_ROW, k_src + off[i], n[i]);
+      cp_async_16_or_zero(d + KEYS * CODE_ROW + i * KSTEP * CODE_ROW, v_src + off[i], n[i]);
     }
   };
 
@@ -369,11 +374,17 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
     if constexpr (Cache::quantized) {
       // Every warp reads every key, so the whole CTA widens the tile, then waits for it.
       const C* rK = reinterpret_cast<const C*>(stages + stage * L::stage_bytes);
-      const C* rV = rK + KEYS * D;
+      const C* rV = rK + KEYS * (D / Cache::PACK);
       // Codes that decode to NaN (fp8) in a tile with keys some live row does not admit are widened
       // as 0, as 16-bit V fragments are cleaned below (the whole tile: every warp reads it).
       const int kt0 = klo + kt * KEYS;
-      if (CLEAN_CODES && (kt0 < sCtaInter.x || kt0 + KEYS > sCtaInter.y)) {
+      if constexpr (Cache::PACK == 2) {  // 16 codes of 8 bytes per step (every 4-bit code is finite)
+        for (int c = tid; c < KEYS * D / 16; c += THREADS) {
+          const int key = c / (D / 16), col = (c % (D / 16)) * 16;
+          widen16_packed<T, Cache>(rK + key * (D / 2) + col / 2, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));
+          widen16_packed<T, VCache>(rV + key * (D / 2) + col / 2, sVw + swz<D>(key, col), sVw + swz<D>(key, col + 8));
+        }
+      } else if (CLEAN_CODES && (kt0 < sCtaInter.x || kt0 + KEYS > sCtaInter.y)) {
         for (int c = tid; c < KEYS * D / 16; c += THREADS) {
           const int key = c / (D / 16), col = (c % (D / 16)) * 16;
           widen16<T, Cache>(rK + key * D + col, sKw + swz<D>(key, col), sKw + swz<D>(key, col + 8));

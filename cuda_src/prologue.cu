@@ -10,7 +10,9 @@
 // prologue_beside).
 // A row is staged in shared memory as floats, QK-normed and rotated (Q and K rows), rounded to T,
 // then Q goes to the (N, H, D) workspace the attention kernels read, and K/V are encoded into
-// their cache slot.
+// their cache slot: Cache for K, VCache for V (they differ only for two packed 4-bit kinds). A
+// packed cache row is D/2 bytes, each byte two channels of the row (lane l writes bytes l, l + 32,
+// ...), so two tokens never share a byte.
 // Reads: query/key/value, cum, past_seqlens, block_table or slot_mapping, rotary and norm
 // inputs, scales. Writes: the Q workspace, the cache rows of valid tokens, and zeros into the
 // decode kernel's split counters when given. The launch is
@@ -30,10 +32,10 @@ constexpr int PROLOGUE_MAX_TPC = 4;
 constexpr int PROLOGUE_BESIDE_THREADS = 512;
 static_assert(PROLOGUE_MAX_TPC <= 128 / 32, "warp k copies token k: no more tokens per CTA than warps");
 
-template <typename T, typename Cache, bool TOKEN_LOOP = false>
+template <typename T, typename Cache, bool TOKEN_LOOP = false, typename VCache = Cache>
 __global__ void __launch_bounds__(TOKEN_LOOP ? PROLOGUE_BESIDE_THREADS : 128) paged_prologue(
     const T* __restrict__ query, const T* __restrict__ key, const T* __restrict__ value,
-    typename Cache::storage* __restrict__ key_cache, typename Cache::storage* __restrict__ value_cache,
+    typename Cache::storage* __restrict__ key_cache, typename VCache::storage* __restrict__ value_cache,
     const int* __restrict__ cum, const int* __restrict__ past, const int* __restrict__ block_table,
     const T* __restrict__ cos_cache, const T* __restrict__ sin_cache, const int* __restrict__ slot_mapping,
     const T* __restrict__ q_norm_weight, const T* __restrict__ k_norm_weight,
@@ -43,6 +45,8 @@ __global__ void __launch_bounds__(TOKEN_LOOP ? PROLOGUE_BESIDE_THREADS : 128) pa
     int max_blocks, int packed, int has_value, int rotary_dim, int rotary_max_pos, int rotary_offset,
     int rotary_interleaved, float qk_norm_epsilon, int k_quant, int v_quant, int token_count,
     int tokens_per_cta) {
+  static_assert(Cache::quantized == VCache::quantized && Cache::PACK == VCache::PACK,
+                "K and V caches of one storage layout");
   grid_dependency_launch_dependents();  // the attention kernel may be scheduled now (it waits for us)
   // Dynamic shared memory: one row of head_size floats per warp.
   extern __shared__ float row_smem[];
@@ -163,10 +167,18 @@ __global__ void __launch_bounds__(TOKEN_LOOP ? PROLOGUE_BESIDE_THREADS : 128) pa
       __syncwarp();
       if (!is_q && !is_k) {
         // V: encode as given.
-        typename Cache::storage* dst = value_cache + (slot * Hk + head) * D;
-        for (int c = lane; c < D; c += 32) {
-          const float inv = Cache::quantized ? __fdiv_rn(1.0f, quant_scale(v_scale, v_quant, head, D, c)) : 1.0f;
-          dst[c] = Cache::encode(row[c], inv);
+        typename VCache::storage* dst = value_cache + (slot * Hk + head) * (D / VCache::PACK);
+        if constexpr (VCache::PACK == 2) {
+          for (int i = lane; i < D / 2; i += 32) {
+            const float inv0 = __fdiv_rn(1.0f, quant_scale(v_scale, v_quant, head, D, 2 * i));
+            const float inv1 = __fdiv_rn(1.0f, quant_scale(v_scale, v_quant, head, D, 2 * i + 1));
+            dst[i] = encode_pair<VCache>(row[2 * i], inv0, row[2 * i + 1], inv1);
+          }
+        } else {
+          for (int c = lane; c < D; c += 32) {
+            const float inv = VCache::quantized ? __fdiv_rn(1.0f, quant_scale(v_scale, v_quant, head, D, c)) : 1.0f;
+            dst[c] = VCache::encode(row[c], inv);
+          }
         }
         __syncwarp();
         continue;
@@ -178,10 +190,18 @@ __global__ void __launch_bounds__(TOKEN_LOOP ? PROLOGUE_BESIDE_THREADS : 128) pa
         T* dst = q_out + ((long long)t * H + head) * D;
         for (int c = lane; c < D; c += 32) dst[c] = Act<T>::from_float(row[c]);
       } else {
-        typename Cache::storage* dst = key_cache + (slot * Hk + head) * D;
-        for (int c = lane; c < D; c += 32) {
-          const float inv = Cache::quantized ? __fdiv_rn(1.0f, quant_scale(k_scale, k_quant, head, D, c)) : 1.0f;
-          dst[c] = Cache::encode(round_to<T>(row[c]), inv);
+        typename Cache::storage* dst = key_cache + (slot * Hk + head) * (D / Cache::PACK);
+        if constexpr (Cache::PACK == 2) {
+          for (int i = lane; i < D / 2; i += 32) {
+            const float inv0 = __fdiv_rn(1.0f, quant_scale(k_scale, k_quant, head, D, 2 * i));
+            const float inv1 = __fdiv_rn(1.0f, quant_scale(k_scale, k_quant, head, D, 2 * i + 1));
+            dst[i] = encode_pair<Cache>(round_to<T>(row[2 * i]), inv0, round_to<T>(row[2 * i + 1]), inv1);
+          }
+        } else {
+          for (int c = lane; c < D; c += 32) {
+            const float inv = Cache::quantized ? __fdiv_rn(1.0f, quant_scale(k_scale, k_quant, head, D, c)) : 1.0f;
+            dst[c] = Cache::encode(round_to<T>(row[c]), inv);
+          }
         }
       }
       __syncwarp();

@@ -8,7 +8,7 @@ from .api import PagedAttention, paged_attention
 from .cascade import CascadeAttention, cascade_attention
 from .contract import Attributes, Problem
 from .errors import PagedAttentionError
-from .helpers import compute_scale, dequantize, quantize, rope_cache
+from .helpers import compute_scale, dequantize, pack_codes, quantize, rope_cache, unpack_codes
 from .options import Options
 from .states import merge_states
 
@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "paged_attention", "PagedAttention", "PagedAttentionError", "CascadeAttention", "cascade_attention", "Options",
-    "Attributes", "Problem", "rope_cache", "compute_scale", "quantize", "dequantize", "merge_states", "capture_graph",
+    "Attributes", "Problem", "rope_cache", "compute_scale", "quantize", "dequantize", "pack_codes", "unpack_codes",
+    "merge_states", "capture_graph",
     "CapturedGraph", "GraphCaptureError", "serving", "__version__",
 ]
 

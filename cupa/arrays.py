@@ -772,9 +772,9 @@ def check_disjoint(input_nbytes: dict, pointer_of, out_ptr: int = 0, out_nbytes:
     non-zero whole number of blocks are accepted.
     """
     if layout_separate:
-        n = input_nbytes["key_cache"]
+        n, nv = input_nbytes["key_cache"], input_nbytes.get("value_cache", input_nbytes["key_cache"])
         k, v = pointer_of("key_cache"), pointer_of("value_cache")
-        if n and k < v + n and v < k + n and not (interleaved_block_bytes and k != v
+        if n and nv and k < v + nv and v < k + n and not (interleaved_block_bytes and k != v
                                                   and (v - k) % interleaved_block_bytes == 0):
             raise fail("value_cache", "memory overlapping key_cache" + (" (the same buffer)" if k == v else "")
                        + (" by a fraction of a block" if interleaved_block_bytes and k != v else ""),

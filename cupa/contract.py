@@ -42,6 +42,10 @@ CACHE_DTYPE_NAMES = {
     "int8": "int8", "float8e4m3fn": "float8_e4m3fn", "int4": "uint8", "float4e2m1": "uint8",
 }
 SUB_BYTE = ("int4", "float4e2m1")
+#: k/v_cache_dtype of a uint8 cache array -> the cache kind it holds (Problem.cache_kind / v_cache_kind)
+BYTE_CACHE_KINDS = {"float8e4m3fn": "fp8", "int4": "int4", "float4e2m1": "fp4"}
+#: cache kinds whose codes are packed two a byte (contract §4.1): a cache row holds head_size / 2 bytes
+PACKED_KINDS = ("int4", "fp4")
 FP8_MAX = 448.0
 
 
@@ -153,13 +157,9 @@ class Attributes:
             v = getattr(self, name)
             if isinstance(v, str) and v.startswith("uint"):
                 raise fail(name, repr(v), "a signed, zero-symmetric type ('', 'float16', 'bfloat16', 'float32', "
-                           "'int8', 'float8e4m3fn'): quantization here has no zero point, so unsigned logical "
-                           "types are not in the vocabulary")
+                           "'int8', 'float8e4m3fn', 'int4', 'float4e2m1'): quantization here has no zero point, "
+                           "so unsigned logical types are not in the vocabulary")
             choice(name, tuple(CACHE_DTYPE_NAMES))
-            if getattr(self, name) in SUB_BYTE:
-                raise fail(name, repr(getattr(self, name)),
-                           "'', the cache's own type, 'int8' or 'float8e4m3fn': packed sub-byte caches "
-                           "('int4', 'float4e2m1') are not supported yet")
         choice("kv_cache_layout", LAYOUTS)
         integer("v_head_size", 0)
         integer("qk_output")
@@ -204,8 +204,9 @@ class Problem:
     latent: bool
     dtype: str                  # T: "float16" | "bfloat16" | "float32"
     cache_array_dtype: str      # the cache arrays' own dtype name
-    cache_kind: str             # "T" | "int8" | "fp8"
-    fp8_as_bytes: bool          # fp8 cache held as uint8 bytes (CuPy)
+    cache_kind: str             # key_cache's codes: "T" | "int8" | "fp8" | "int4" | "fp4" (PACKED_KINDS: two a byte)
+    v_cache_kind: str           # value_cache's codes (= cache_kind in LATENT: V is a view of K)
+    fp8_as_bytes: bool          # an fp8 cache held as uint8 bytes (CuPy)
     v_quant: str                # effective V quantization: k_quant_type in LATENT (V is a view of K)
     num_blocks: int
     block_size: int
@@ -254,9 +255,29 @@ class Problem:
         return self.cache_kind != "T"
 
     @property
+    def sub_byte(self) -> bool:
+        """A cache holds packed 4-bit codes (int4 or float4 e2m1, two a byte)."""
+        return self.cache_kind in PACKED_KINDS or self.v_cache_kind in PACKED_KINDS
+
+    @property
+    def packed(self) -> bool:
+        """Both caches hold packed 4-bit codes: K and V rows of head_size / 2 bytes (the kernels' case)."""
+        return self.cache_kind in PACKED_KINDS and self.v_cache_kind in PACKED_KINDS
+
+    @property
+    def cache_row_items(self) -> int:
+        """Array elements of one (slot, kv head) row of key_cache: head_size, or head_size / 2 packed."""
+        return self.head_size // (2 if self.cache_kind in PACKED_KINDS else 1)
+
+    @property
+    def v_cache_row_items(self) -> int:
+        """Array elements of one (slot, kv head) row of value_cache (of key_cache in LATENT)."""
+        return self.head_size // (2 if self.v_cache_kind in PACKED_KINDS else 1)
+
+    @property
     def cache_block_bytes(self) -> int:
-        """Bytes of one block of a cache."""
-        return self.block_size * self.kv_num_heads * self.head_size * _ITEMSIZE.get(self.cache_array_dtype, 1)
+        """Bytes of one block of key_cache."""
+        return self.block_size * self.kv_num_heads * self.cache_row_items * _ITEMSIZE.get(self.cache_array_dtype, 1)
 
     @functools.cached_property
     def input_nbytes(self) -> dict:
@@ -265,7 +286,8 @@ class Problem:
         c = _ITEMSIZE.get(self.cache_array_dtype, 1)
         N, B, H, Hk, D = self.token_count, self.batch_size, self.num_heads, self.kv_num_heads, self.head_size
         hidden = (H + 2 * Hk) * D if self.packed_qkv else H * D
-        sizes = {"query": N * hidden * t, "key_cache": self.num_blocks * self.block_size * Hk * D * c,
+        rows = self.num_blocks * self.block_size * Hk
+        sizes = {"query": N * hidden * t, "key_cache": rows * self.cache_row_items * c,
                  "cumulative_sequence_length": (B + 1) * 4, "past_seqlens": B * 4,
                  "block_table": B * self.max_blocks_per_seq * 4}
         if not self.packed_qkv:
@@ -273,7 +295,7 @@ class Problem:
             if not self.latent:
                 sizes["value"] = N * Hk * D * t
         if not self.latent:
-            sizes["value_cache"] = sizes["key_cache"]
+            sizes["value_cache"] = rows * self.v_cache_row_items * c
         if self.rotary_dim:
             sizes["cos_cache"] = sizes["sin_cache"] = self.rotary_max_pos * (self.rotary_dim // 2) * t
         for name, present, n in (("slot_mapping", self.has_slot_mapping, N * 4),
@@ -459,40 +481,58 @@ def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
         raise fail("key_cache", f"shape {_dims(kc.shape)}", "block_size (dim 1) >= 1")
     if kc_heads != Hk:
         raise fail("key_cache", f"shape {_dims(kc.shape)}", f"dim 2 == kv_num_heads ({Hk})")
-    if kc_d != D:
-        raise fail("key_cache", f"shape {_dims(kc.shape)}", f"dim 3 == head_size ({D})")
     cdt = kc.dtype
     k_cache_dtype, v_cache_dtype = a.k_cache_dtype, a.v_cache_dtype
+    dtype_names = (("k_cache_dtype", k_cache_dtype),) + (() if latent else (("v_cache_dtype", v_cache_dtype),))
+    fp8_as_bytes = False
+    if cdt == "uint8":
+        # Each cache's own logical type (contract §1): K and V may differ, e.g. int4 K with e2m1 or fp8 V.
+        for name, value in dtype_names:
+            if value not in BYTE_CACHE_KINDS:
+                raise fail(name, repr(value), "'float8e4m3fn' (raw e4m3 bytes), 'int4' or 'float4e2m1' (two codes "
+                           "a byte) when the cache arrays are uint8")
+        cache_kind = BYTE_CACHE_KINDS[k_cache_dtype]
+        v_cache_kind = cache_kind if latent else BYTE_CACHE_KINDS[v_cache_dtype]
+        fp8_as_bytes = "fp8" in (cache_kind, v_cache_kind)
+    else:
+        if cdt == T:
+            cache_kind = "T"
+        elif cdt == "int8":
+            cache_kind = "int8"
+        elif cdt == "float8_e4m3fn":
+            cache_kind = "fp8"
+        elif cdt in FLOAT_TYPES:
+            raise fail("key_cache", f"dtype {cdt}", f"the query's dtype {T}, int8, float8_e4m3fn or uint8 "
+                       f"(fp8 bytes or packed 4-bit codes): a {cdt} cache with a {T} query is not allowed")
+        else:
+            raise fail("key_cache", f"dtype {cdt}", f"{T} (same as query), int8, float8_e4m3fn or uint8 "
+                       "(fp8 bytes or packed 4-bit codes)")
+        for name, value in dtype_names:   # v_cache_dtype is always '' in LATENT (Attributes)
+            if value in SUB_BYTE:
+                raise fail(name, repr(value), f"'' or the cache tensor's own type ({cdt}): {value!r} packs two "
+                           "codes a byte into a uint8 cache")
+            if value and CACHE_DTYPE_NAMES[value] != cdt:
+                raise fail(name, repr(value), f"'' or the cache tensor's own type ({cdt})")
+        v_cache_kind = cache_kind
+
+    def last_dim(kind, name, value):
+        """Dim 3 of a cache holding ``kind`` codes, and what to say about it."""
+        if kind in PACKED_KINDS:
+            return D // 2, f"dim 3 == head_size / 2 ({D // 2}): {name}={value!r} packs two codes a byte"
+        return D, f"dim 3 == head_size ({D})"
+
+    kc_expect, kc_what = last_dim(cache_kind, "k_cache_dtype", k_cache_dtype)
+    if kc_d != kc_expect:
+        raise fail("key_cache", f"shape {_dims(kc.shape)}", kc_what)
     if not latent:
         vc = _need(infos, "value_cache", "present in SEPARATE layout, same shape as key_cache")
-        _check_shape(vc, "value_cache", tuple(kc.shape), "(same as key_cache)")
+        vc_expect, vc_what = last_dim(v_cache_kind, "v_cache_dtype", v_cache_dtype)
+        if vc_expect == kc_expect and v_cache_kind not in PACKED_KINDS:
+            _check_shape(vc, "value_cache", tuple(kc.shape), "(same as key_cache)")
+        else:
+            _check_shape(vc, "value_cache", (num_blocks, block_size, Hk, vc_expect),
+                         f"(key_cache's first three dims; {vc_what})")
         _check_dtype(vc, "value_cache", cdt, "key_cache and value_cache share one element type")
-
-    fp8_as_bytes = False
-    if cdt == T:
-        cache_kind = "T"
-    elif cdt == "int8":
-        cache_kind = "int8"
-    elif cdt == "float8_e4m3fn":
-        cache_kind = "fp8"
-    elif cdt == "uint8":
-        if k_cache_dtype != "float8e4m3fn":
-            raise fail("k_cache_dtype", repr(k_cache_dtype),
-                       "'float8e4m3fn' when the cache arrays are uint8 (raw e4m3 bytes)")
-        if not latent and v_cache_dtype != "float8e4m3fn":
-            raise fail("v_cache_dtype", repr(v_cache_dtype),
-                       "'float8e4m3fn' when the cache arrays are uint8 (raw e4m3 bytes)")
-        cache_kind, fp8_as_bytes = "fp8", True
-    elif cdt in FLOAT_TYPES:
-        raise fail("key_cache", f"dtype {cdt}", f"the query's dtype {T}, int8, float8_e4m3fn or uint8 "
-                   f"(fp8 bytes): a {cdt} cache with a {T} query is not allowed")
-    else:
-        raise fail("key_cache", f"dtype {cdt}", f"{T} (same as query), int8, float8_e4m3fn or uint8 (fp8 bytes)")
-    if not fp8_as_bytes:
-        if k_cache_dtype and CACHE_DTYPE_NAMES[k_cache_dtype] != cdt:
-            raise fail("k_cache_dtype", repr(k_cache_dtype), f"'' or the cache tensor's own type ({cdt})")
-        if v_cache_dtype and CACHE_DTYPE_NAMES[v_cache_dtype] != cdt:   # always '' in LATENT (Attributes)
-            raise fail("v_cache_dtype", repr(v_cache_dtype), f"'' or the cache tensor's own type ({cdt})")
 
     quants = (("k_quant_type", a.k_quant_type, "k_scale"),) if latent else (
         ("k_quant_type", a.k_quant_type, "k_scale"), ("v_quant_type", a.v_quant_type, "v_scale"))
@@ -507,7 +547,7 @@ def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
             continue
         if cache_kind == "T":
             raise fail(qname, repr(qt), f"'NONE' because the cache has the query's type {T} "
-                       "(quantization needs an int8 or fp8 cache)")
+                       "(quantization needs an int8, fp8 or packed 4-bit cache)")
         if s is None:
             raise fail(sname, "None (absent)", f"a float32 scale because {qname} is {qt!r}")
         _check_dtype(s, sname, "float32")
@@ -613,7 +653,7 @@ def validate(attrs: Attributes, infos: Mapping[str, Optional[ArrayInfo]],
     return Problem(
         attrs=a, token_count=N, batch_size=B, num_heads=H, kv_num_heads=Hk, head_size=D, v_head_size=Dv,
         group_size=H // Hk, packed_qkv=packed, latent=latent, dtype=T, cache_array_dtype=cdt,
-        cache_kind=cache_kind, fp8_as_bytes=fp8_as_bytes, v_quant=a.k_quant_type if latent else a.v_quant_type, num_blocks=num_blocks, block_size=block_size,
+        cache_kind=cache_kind, v_cache_kind=v_cache_kind, fp8_as_bytes=fp8_as_bytes, v_quant=a.k_quant_type if latent else a.v_quant_type, num_blocks=num_blocks, block_size=block_size,
         max_blocks_per_seq=max_blocks, scale=a.scale if a.scale else 1.0 / math.sqrt(D),
         rotary_dim=rotary_dim, rotary_max_pos=rotary_max_pos, has_slot_mapping=has_slot,
         has_head_sink=has_sink, has_qk_norm=has_norm, has_query_positions=has_qpos,

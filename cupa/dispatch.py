@@ -1,6 +1,7 @@
 """Backend choice: a function of the Problem, the device the inputs live on and the Options; explain().
 
-A backend is an object with ``name``, ``verified`` (its kernels passed their GPU tests on a device),
+A backend is an object with ``name``, ``verified`` (its kernels passed their GPU tests on a device;
+``unverified``, the features it serves whose kernels have not yet),
 ``not_supported_reasons(problem, device, options) -> list[str]``, ``preferred(problem, device,
 options) -> bool``, ``describe(problem, device, options) -> str`` and ``run(plan, inputs, out,
 stream)``. Host inputs (NumPy, and CPU arrays of any library NumPy can view without a copy) go to
@@ -23,6 +24,7 @@ from typing import Any, Optional
 from . import arrays
 from .contract import Problem
 from .device import DeviceInfo, device_info
+from .kernels.backend import FEATURES, unverified_features
 from .errors import PagedAttentionError, fail
 from .options import Options
 
@@ -115,7 +117,7 @@ def choose(problem: Problem, device: DeviceInfo, options: Options):
             raise PagedAttentionError(f"options.backend: {options.backend!r} cannot serve this call: "
                                       + "; ".join(reasons))
         return named[0]
-    served = [b for b in backends if b.verified and not _eligible(b, problem, device, options)]
+    served = [b for b in backends if _verified_for(b, problem) and not _eligible(b, problem, device, options)]
     for b in served:
         if b.preferred(problem, device, options):
             return b
@@ -126,10 +128,20 @@ def choose(problem: Problem, device: DeviceInfo, options: Options):
                               "cupa never falls back to the CPU for device inputs")
 
 
+def _verified_for(backend, problem: Problem) -> bool:
+    """The backend's kernels for this call have passed their GPU tests: the backend and every feature it uses."""
+    return backend.verified and not unverified_features(problem, backend)
+
+
 def _reasons_for_auto(backend, problem, device, options) -> list:
     reasons = _eligible(backend, problem, device, options)
-    if not reasons and not backend.verified:
-        reasons = [f"not yet verified on a GPU (select it with cupa.Options(backend={backend.name!r}))"]
+    if not reasons and not _verified_for(backend, problem):
+        select = f"select it with cupa.Options(backend={backend.name!r})"
+        if not backend.verified:
+            reasons = [f"not yet verified on a GPU ({select})"]
+        else:
+            what = ", ".join(FEATURES[f][0] for f in unverified_features(problem, backend))
+            reasons = [f"{what}: not yet verified on a GPU here ({select})"]
     return reasons
 
 
@@ -145,7 +157,9 @@ def account(problem: Problem, device: DeviceInfo, options: Options) -> str:
         reasons = _reasons_for_auto(b, problem, device, options) if options.backend == "auto" else \
             _eligible(b, problem, device, options)
         if b is chosen:
-            lines.append(f"{b.name}: chosen ({b.describe(problem, device, options)})")
+            unverified = ", ".join(FEATURES[f][0] for f in unverified_features(problem, b))
+            note = f"; {unverified}: not yet verified on a GPU" if unverified else ""
+            lines.append(f"{b.name}: chosen ({b.describe(problem, device, options)}{note})")
         elif options.backend != "auto" and b.name != options.backend:
             lines.append(f"{b.name}: not considered (options.backend={options.backend!r})")
         elif reasons:

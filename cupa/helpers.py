@@ -5,8 +5,15 @@
     code = saturate(round_half_even(float32(x) * float32(1 / scale)))
 
 int8 saturates to [-128, 127]; float8 e4m3fn clips to +-448 in float32 and then rounds to nearest
-even. :func:`dequantize` is the read rule ``code * scale``. The reference backend calls these
+even; int4 saturates to [-8, 7]; float4 e2m1 rounds to nearest even and saturates to +-6.
+:func:`dequantize` is the read rule ``code * scale``. The reference backend calls these
 functions, so the CUDA kernels and the tests have one definition to agree with.
+
+The 4-bit types are packed two codes a byte in a uint8 cache (contract §4.1): code 2i in the low
+nibble of byte i, code 2i+1 in the high nibble; an int4 code q is stored as the nibble q + 8, an
+e2m1 code as its own 4 bits (sign, two exponent bits, one mantissa bit). On the NumPy side their
+logical types are ml_dtypes' ``int4`` and ``float4_e2m1fn``; :func:`pack_codes` and
+:func:`unpack_codes` convert between those and the packed bytes.
 
 Scales are checked (:func:`check_scale`): a scale that is zero, negative, NaN, Inf, or so small that
 its float32 reciprocal overflows raises :class:`cupa.PagedAttentionError` naming the entry.
@@ -24,12 +31,19 @@ import ml_dtypes
 
 from .errors import fail
 
-__all__ = ["rope_cache", "compute_scale", "quantize", "dequantize", "check_scale"]
+__all__ = ["rope_cache", "compute_scale", "quantize", "dequantize", "check_scale", "pack_codes", "unpack_codes"]
 
 _FP8_NAMES = ("float8e4m3fn", "float8_e4m3fn")
 _INT8_NAMES = ("int8",)
+_INT4_NAMES = ("int4",)
+_FP4_NAMES = ("float4e2m1", "float4_e2m1fn")
 FP8_MAX = 448.0
 INT8_MAX = 127.0
+INT4_MAX = 7.0
+FP4_MAX = 6.0
+#: the packed 4-bit kinds (two codes a byte)
+PACKED = ("int4", "fp4")
+_CACHE_DTYPES = "'int8', 'float8e4m3fn', 'int4' or 'float4e2m1'"
 #: the smallest normal float32: the least scale compute_scale returns (its reciprocal is finite)
 SCALE_MIN = float(np.finfo(np.float32).tiny)
 
@@ -79,23 +93,22 @@ def check_scale(scale, name: str = "scale") -> None:
 
 
 def _cache_kind(cache_dtype) -> str:
-    """'int8' or 'fp8' from a cache dtype spelling (string, NumPy dtype or ml_dtypes type)."""
+    """'int8', 'fp8', 'int4' or 'fp4' from a cache dtype spelling (string, NumPy dtype or ml_dtypes type)."""
     if isinstance(cache_dtype, str):
         name = cache_dtype
     else:
         try:
             name = np.dtype(cache_dtype).name
         except TypeError as exc:
-            raise ValueError(f"cache_dtype: got {cache_dtype!r}; expected 'int8' or 'float8e4m3fn'") from exc
-    if name in _INT8_NAMES:
-        return "int8"
-    if name in _FP8_NAMES:
-        return "fp8"
-    raise ValueError(f"cache_dtype: got {cache_dtype!r}; expected 'int8' or 'float8e4m3fn'")
+            raise ValueError(f"cache_dtype: got {cache_dtype!r}; expected {_CACHE_DTYPES}") from exc
+    for kind, names in (("int8", _INT8_NAMES), ("fp8", _FP8_NAMES), ("int4", _INT4_NAMES), ("fp4", _FP4_NAMES)):
+        if name in names:
+            return kind
+    raise ValueError(f"cache_dtype: got {cache_dtype!r}; expected {_CACHE_DTYPES}")
 
 
 def _qmax(kind: str) -> float:
-    return INT8_MAX if kind == "int8" else FP8_MAX
+    return {"int8": INT8_MAX, "fp8": FP8_MAX, "int4": INT4_MAX, "fp4": FP4_MAX}[kind]
 
 
 def rope_cache(max_position: int, rotary_dim: int, base: float = 10000.0, dtype=np.float16):
@@ -140,8 +153,8 @@ def compute_scale(x, quant_type: str, cache_dtype="int8"):
     quant_type : {"PER_TENSOR", "PER_CHANNEL"}
         PER_TENSOR: one scale; PER_CHANNEL: one scale per (kv head, channel), reduced over every
         leading dimension of ``x``.
-    cache_dtype : {"int8", "float8e4m3fn"} or a dtype, default "int8"
-        The code type: qmax = 127 for int8, 448 for float8 e4m3fn.
+    cache_dtype : {"int8", "float8e4m3fn", "int4", "float4e2m1"} or a dtype, default "int8"
+        The code type: qmax = 127 for int8, 448 for float8 e4m3fn, 7 for int4, 6 for float4 e2m1.
 
     Returns
     -------
@@ -221,6 +234,94 @@ def _fp8_bytes_from_f32(y, xp):
 
 
 _FP8_TABLE = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+#: value of each 4-bit code: int4 nibble n is n - 8, an e2m1 nibble is its float4_e2m1fn value
+_NIBBLE_VALUES = {"int4": np.arange(16, dtype=np.float32) - 8.0,
+                  "fp4": np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)}
+#: the two values of every byte of a packed cache: [byte, 0] the low nibble (code 2i), [byte, 1] the high one
+_BYTE_VALUES = {kind: np.stack([v[np.arange(256) & 15], v[np.arange(256) >> 4]], axis=1)
+                for kind, v in _NIBBLE_VALUES.items()}
+_LOGICAL = {"int4": np.dtype(ml_dtypes.int4), "fp4": np.dtype(ml_dtypes.float4_e2m1fn)}
+#: e2m1 midpoints: |y| above each (at or above, where the even code is the upper one) adds one to the code
+_FP4_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def _int4_nibbles(y, xp):
+    """int4 write rule on float32 ``y``: round half to even, saturate to [-8, 7] (NaN to -8, as ``fmax``
+    picks the bound), stored as q + 8."""
+    q = xp.fmin(xp.fmax(xp.rint(y), -8.0), 7.0)
+    return (q + 8.0).astype(xp.uint8)
+
+
+def _fp4_nibbles(y, xp):
+    """e2m1 write rule on float32 ``y``: round to nearest even, saturate to +-6; NaN becomes +6 (code 7),
+    as CUDA's conversion gives. The code is sign << 3 | the number of midpoints |y| passes."""
+    a = xp.abs(y)
+    m = xp.zeros(y.shape, dtype=xp.uint8)
+    for point, inclusive in _FP4_MIDPOINTS:
+        m += (a >= point) if inclusive else (a > point)
+    code = m | (xp.signbit(y).astype(xp.uint8) << 3)
+    return xp.where(xp.isnan(y), xp.uint8(7), code).astype(xp.uint8)
+
+
+def _pack_nibbles(nibbles, xp):
+    """uint8 nibbles (..., 2n) -> packed bytes (..., n): element 2i in the low nibble of byte i."""
+    if nibbles.shape[-1] % 2:
+        raise fail("codes", f"shape {tuple(nibbles.shape)}", "an even last dimension: two codes a byte")
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(xp.uint8)
+
+
+def _unpack_nibbles(packed, xp):
+    """Packed bytes (..., n) -> uint8 nibbles (..., 2n)."""
+    return xp.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
+
+
+def pack_codes(codes) -> np.ndarray:
+    """Pack 4-bit codes two a byte, the layout of a packed cache (contract §4.1).
+
+    Parameters
+    ----------
+    codes : ndarray of ml_dtypes.int4 or ml_dtypes.float4_e2m1fn, shape (..., n), n even
+        Logical codes (e.g. ``cupa.quantize(x, scale, "int4")``).
+
+    Returns
+    -------
+    packed : uint8 ndarray, shape (..., n // 2)
+        Byte i holds code 2i in its low nibble and code 2i+1 in its high nibble; an int4 code q is
+        the nibble q + 8, an e2m1 code its own 4 bits.
+    """
+    codes = np.asarray(codes)
+    name = codes.dtype.name
+    if name not in ("int4", "float4_e2m1fn"):
+        raise fail("codes", f"dtype {name}", "ml_dtypes.int4 or ml_dtypes.float4_e2m1fn (4-bit codes)")
+    nibbles = codes.view(np.uint8) & 15
+    if name == "int4":
+        nibbles = nibbles ^ 8                     # two's complement nibble -> q + 8
+    return _pack_nibbles(nibbles, np)
+
+
+def unpack_codes(packed, cache_dtype) -> np.ndarray:
+    """The logical 4-bit codes of packed bytes (the inverse of :func:`pack_codes`).
+
+    Parameters
+    ----------
+    packed : uint8 ndarray, shape (..., m)
+        Bytes of a packed cache (or any part of one).
+    cache_dtype : {"int4", "float4e2m1"} or ml_dtypes.int4 / ml_dtypes.float4_e2m1fn
+
+    Returns
+    -------
+    codes : ndarray of ml_dtypes.int4 or ml_dtypes.float4_e2m1fn, shape (..., 2 * m)
+    """
+    kind = _cache_kind(cache_dtype)
+    if kind not in PACKED:
+        raise ValueError(f"cache_dtype: got {cache_dtype!r}; expected 'int4' or 'float4e2m1'")
+    packed = np.asarray(packed)
+    if packed.dtype != np.uint8:
+        raise fail("packed", f"dtype {packed.dtype}", "uint8 bytes of a packed cache")
+    nibbles = _unpack_nibbles(packed, np)
+    if kind == "int4":
+        nibbles = nibbles ^ 8                     # q + 8 -> two's complement nibble
+    return nibbles.astype(np.uint8).view(_LOGICAL[kind])
 
 
 def quantize(x, scale, cache_dtype="int8", as_bytes: bool = False):
@@ -228,9 +329,11 @@ def quantize(x, scale, cache_dtype="int8", as_bytes: bool = False):
 
     ``code = saturate(round_half_even(float32(x) * float32(1/scale)))`` where ``float32(1/scale)`` is
     ``np.float32(1) / scale`` evaluated in float32 and the product is float32. int8 saturates to
-    [-128, 127]; float8 e4m3fn clips to +-448 in float32 and then rounds to nearest even. A value of
-    +-Inf saturates; NaN becomes the int8 code -128 (saturation by ``fmax``/``fmin``, as the CUDA
-    kernels do) or the float8 NaN code.
+    [-128, 127]; float8 e4m3fn clips to +-448 in float32 and then rounds to nearest even; int4
+    saturates to [-8, 7]; float4 e2m1 rounds to nearest even and saturates to +-6. A value of +-Inf
+    saturates; NaN becomes the int8 code -128 and the int4 code -8 (saturation by ``fmax``/``fmin``,
+    as the CUDA kernels do), the float8 NaN code, and the e2m1 code +6 (as CUDA's e2m1 conversion
+    gives; a plain ml_dtypes cast gives -0 there).
 
     Parameters
     ----------
@@ -238,20 +341,23 @@ def quantize(x, scale, cache_dtype="int8", as_bytes: bool = False):
         Values to store (float16, bfloat16 or float32; typically already rounded to T).
     scale : float32 array, shape (1,) or (kv_num_heads, 1, head_size)
         PER_TENSOR or PER_CHANNEL scale; broadcasts over the leading dimensions of ``x``.
-    cache_dtype : {"int8", "float8e4m3fn"} or a dtype, default "int8"
+    cache_dtype : {"int8", "float8e4m3fn", "int4", "float4e2m1"} or a dtype, default "int8"
         Code type.
     as_bytes : bool, default False
-        float8 only: return the raw e4m3 bytes as uint8 (the layout a CuPy cache holds).
-        Always the case for CuPy inputs.
+        float8: return the raw e4m3 bytes as uint8; int4 / float4 e2m1: return the codes packed two
+        a byte (:func:`pack_codes`), shape (..., head_size // 2). The layout a CuPy cache holds:
+        always the case for CuPy inputs.
 
     Returns
     -------
-    codes : array shaped like ``x``: int8, ml_dtypes.float8_e4m3fn, or uint8 bytes
+    codes : array shaped like ``x`` (int8, ml_dtypes.float8_e4m3fn, ml_dtypes.int4 or
+        ml_dtypes.float4_e2m1fn), or uint8 bytes (``as_bytes``; packed 4-bit codes: last dimension halved)
 
     Raises
     ------
     PagedAttentionError
-        If a scale is zero, negative, NaN, Inf or too small for a finite reciprocal (:func:`check_scale`).
+        If a scale is zero, negative, NaN, Inf or too small for a finite reciprocal (:func:`check_scale`),
+        or if packed codes are asked of an odd last dimension.
     """
     xp = _xp(x)
     kind = _cache_kind(cache_dtype)
@@ -262,6 +368,11 @@ def quantize(x, scale, cache_dtype="int8", as_bytes: bool = False):
     y = (x.astype(xp.float32) * inv).astype(xp.float32)
     if kind == "int8":
         return xp.fmin(xp.fmax(xp.rint(y), -128), 127).astype(xp.int8)
+    if kind in PACKED:
+        nibbles = _int4_nibbles(y, xp) if kind == "int4" else _fp4_nibbles(y, xp)
+        if as_bytes or xp is not np:
+            return _pack_nibbles(nibbles, xp)
+        return (nibbles ^ 8 if kind == "int4" else nibbles).view(_LOGICAL[kind])
     y = xp.clip(y, -FP8_MAX, FP8_MAX).astype(xp.float32)
     if xp is np:
         codes = y.astype(ml_dtypes.float8_e4m3fn)
@@ -269,21 +380,30 @@ def quantize(x, scale, cache_dtype="int8", as_bytes: bool = False):
     return _fp8_bytes_from_f32(y, xp)
 
 
+def packed_values(packed, kind: str, xp=np):
+    """float32 values (..., 2m) of the codes in packed bytes (..., m) of ``kind`` ("int4" or "fp4"): the
+    read rule's code values before the scale."""
+    table = _BYTE_VALUES[kind] if xp is np else xp.asarray(_BYTE_VALUES[kind])
+    vals = table[packed.astype(xp.intp) if xp is not np else packed]
+    return vals.reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
+
+
 def dequantize(codes, scale, cache_dtype=None):
     """Dequantize cache codes with the read rule ``code * scale`` (float32).
 
     Parameters
     ----------
-    codes : array, shape (..., kv_num_heads, head_size)
-        int8 codes, ml_dtypes.float8_e4m3fn codes, or uint8 raw e4m3 bytes (then
-        ``cache_dtype="float8e4m3fn"`` is required).
+    codes : array, shape (..., kv_num_heads, head_size), or packed (..., kv_num_heads, head_size // 2)
+        int8 codes, ml_dtypes.float8_e4m3fn / int4 / float4_e2m1fn codes, or uint8 bytes: raw e4m3
+        bytes (``cache_dtype="float8e4m3fn"``) or 4-bit codes packed two a byte
+        (``cache_dtype="int4"`` or ``"float4e2m1"``).
     scale : float32 array, shape (1,) or (kv_num_heads, 1, head_size)
-    cache_dtype : {None, "int8", "float8e4m3fn"}
+    cache_dtype : {None, "int8", "float8e4m3fn", "int4", "float4e2m1"}
         Needed only for uint8 bytes; otherwise taken from ``codes.dtype``.
 
     Returns
     -------
-    values : float32 array shaped like ``codes``
+    values : float32 array, shape (..., kv_num_heads, head_size)
 
     Raises
     ------
@@ -294,20 +414,21 @@ def dequantize(codes, scale, cache_dtype=None):
     codes = xp.asarray(codes)
     name = np.dtype(codes.dtype).name if xp is np else str(codes.dtype)
     if name == "uint8":
-        if cache_dtype is None or _cache_kind(cache_dtype) != "fp8":
-            raise ValueError("cache_dtype: got "
-                             f"{cache_dtype!r} for uint8 codes; expected 'float8e4m3fn' (uint8 holds raw e4m3 bytes)")
-        vals = xp.asarray(_FP8_TABLE)[codes.astype(xp.int64)] if xp is not np else _FP8_TABLE[codes]
-    elif name == "int8":
-        if cache_dtype is not None and _cache_kind(cache_dtype) != "int8":
-            raise ValueError(f"cache_dtype: got {cache_dtype!r} for int8 codes; expected None or 'int8'")
-        vals = codes.astype(xp.float32)
-    elif name == "float8_e4m3fn":
-        if cache_dtype is not None and _cache_kind(cache_dtype) != "fp8":
-            raise ValueError(f"cache_dtype: got {cache_dtype!r} for float8_e4m3fn codes; expected None or 'float8e4m3fn'")
-        vals = codes.astype(np.float32)
+        kind = None if cache_dtype is None else _cache_kind(cache_dtype)
+        if kind == "fp8":
+            vals = xp.asarray(_FP8_TABLE)[codes.astype(xp.int64)] if xp is not np else _FP8_TABLE[codes]
+        elif kind in PACKED:
+            vals = packed_values(codes, kind, xp)
+        else:
+            raise ValueError(f"cache_dtype: got {cache_dtype!r} for uint8 codes; expected 'float8e4m3fn' (raw e4m3 "
+                             "bytes), 'int4' or 'float4e2m1' (4-bit codes packed two a byte)")
+    elif name in ("int8", "float8_e4m3fn", "int4", "float4_e2m1fn"):
+        if cache_dtype is not None and _cache_kind(cache_dtype) != _cache_kind(name):
+            raise ValueError(f"cache_dtype: got {cache_dtype!r} for {name} codes; expected None or {name!r}")
+        vals = codes.astype(np.float32) if xp is np else codes.astype(xp.float32)
     else:
-        raise ValueError(f"codes: got dtype {name}; expected int8, float8_e4m3fn or uint8 (e4m3 bytes)")
+        raise ValueError(f"codes: got dtype {name}; expected int8, float8_e4m3fn, int4, float4_e2m1fn or uint8 "
+                         "(e4m3 bytes or packed 4-bit codes)")
     check_scale(scale)
-    s = _broadcast_scale(scale, codes.shape, xp)
+    s = _broadcast_scale(scale, vals.shape, xp)
     return (vals.astype(xp.float32) * s).astype(xp.float32)

@@ -37,6 +37,8 @@ from .errors import fail
 
 _T = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 _F8 = np.dtype(ml_dtypes.float8_e4m3fn)
+#: cupa.quantize's name of each quantized cache kind
+_CACHE_DTYPE = {"int8": "int8", "fp8": "float8e4m3fn", "int4": "int4", "fp4": "float4e2m1"}
 
 #: float64 elements of one grid's scores (tokens x heads x keys): how many tokens share a grid
 SCORE_ELEMENTS = 1 << 23
@@ -93,7 +95,7 @@ def _check_disjoint(pb: Problem, views: dict, out, options) -> None:
     kc, vc = views["key_cache"], views["value_cache"]
     if not pb.latent and isinstance(kc, np.ndarray) and isinstance(vc, np.ndarray) and np.may_share_memory(kc, vc):
         address = {"key_cache": kc.__array_interface__["data"][0], "value_cache": vc.__array_interface__["data"][0]}
-        arrays.check_disjoint({"key_cache": pb.input_nbytes["key_cache"]}, address.__getitem__,
+        arrays.check_disjoint({name: pb.input_nbytes[name] for name in _CACHES}, address.__getitem__,
                               interleaved_block_bytes=pb.cache_block_bytes if options.kv_pages_interleaved else 0)
     if out is not None:
         for name, x in views.items():
@@ -281,18 +283,18 @@ def _write_cache(pb: Problem, x: dict, tok: _Tokens, k_T, v_T) -> None:
     if not rows.size:
         return
 
-    def encode(vals, scale):
-        if pb.cache_kind == "T":
+    def encode(vals, scale, kind):
+        if kind == "T":
             return vals
-        if pb.cache_kind == "int8":
-            return helpers.quantize(vals, scale, "int8")
-        return helpers.quantize(vals, scale, "float8e4m3fn", as_bytes=pb.fp8_as_bytes)
+        # uint8 arrays hold fp8 bytes or packed 4-bit codes (two a byte, a row of head_size / 2 bytes)
+        return helpers.quantize(vals, scale, _CACHE_DTYPE[kind], as_bytes=pb.cache_array_dtype == "uint8")
 
-    Hk, D = pb.kv_num_heads, pb.head_size
-    key_codes = encode(k_T[rows], x["k_scale"])
-    x["key_cache"].reshape(NB * bs, Hk, D)[slot[rows]] = key_codes
+    Hk = pb.kv_num_heads
+    key_codes = encode(k_T[rows], x["k_scale"], pb.cache_kind)
+    x["key_cache"].reshape(NB * bs, Hk, pb.cache_row_items)[slot[rows]] = key_codes
     if not pb.latent:
-        x["value_cache"].reshape(NB * bs, Hk, D)[slot[rows]] = encode(v_T[rows], x["v_scale"])
+        x["value_cache"].reshape(NB * bs, Hk, pb.v_cache_row_items)[slot[rows]] = encode(
+            v_T[rows], x["v_scale"], pb.v_cache_kind)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,8 +335,8 @@ class _Attention:
         self.result, self.qk, self.lse = result, qk, lse
         NB, bs, Hk, D, Dv = pb.num_blocks, pb.block_size, pb.kv_num_heads, pb.head_size, pb.v_head_size
         self.block_table = np.asarray(x["block_table"]).astype(np.int64)
-        self.key_rows = x["key_cache"].reshape(NB * bs, Hk, D)
-        self.value_rows = self.key_rows if pb.latent else x["value_cache"].reshape(NB * bs, Hk, D)
+        self.key_rows = x["key_cache"].reshape(NB * bs, Hk, pb.cache_row_items)
+        self.value_rows = self.key_rows if pb.latent else x["value_cache"].reshape(NB * bs, Hk, pb.v_cache_row_items)
         self.k_scale = k_scale = _scale64(x["k_scale"], D)
         self.v_scale = k_scale[..., :Dv] if pb.latent and k_scale is not None else _scale64(x["v_scale"], D)
         self.sink = _f64(x["head_sink"]) if pb.has_head_sink else None
@@ -403,18 +405,23 @@ class _Attention:
                 self.attend(grid, real)
 
     # -- one grid -------------------------------------------------------------------------------
-    def gather(self, rows, slots, needed, scale, width):
+    def gather(self, rows, slots, needed, scale, width, kind):
         """Keys or values at ``slots`` (U, kt) as float64 (U, kt, Hk, width), dequantized as
-        ``code * scale``; a row no token of its grid row admits (``needed`` False) is zero whatever
-        the cache holds there."""
+        ``code * scale`` (``kind``: the cache's Problem.cache_kind); a row no token of its grid row
+        admits (``needed`` False) is zero whatever the cache holds there."""
         codes = rows[slots]
-        if not needed.all():
-            codes[~needed] = 0
-        codes = codes[..., :width]
-        if self.pb.fp8_as_bytes:
-            codes = codes.view(_F8)
-        vals = self._buffer("tile", codes.shape)               # valid until the next gather
-        np.copyto(vals, codes)
+        if kind in helpers.PACKED:                # two codes a byte: values first, then the zeros
+            vals = helpers.packed_values(codes, kind)[..., :width].astype(np.float64)
+            if not needed.all():
+                vals[~needed] = 0.0
+        else:
+            if not needed.all():
+                codes[~needed] = 0
+            codes = codes[..., :width]
+            if kind == "fp8" and codes.dtype == np.uint8:
+                codes = codes.view(_F8)
+            vals = self._buffer("tile", codes.shape)           # valid until the next gather
+            np.copyto(vals, codes)
         if scale is not None:
             vals *= scale
         return vals
@@ -447,7 +454,7 @@ class _Attention:
         s = self._buffer("scores", (U, Hk, M * G, Kc))
         for k0 in range(0, Kc, tile):
             t = slice(k0, k0 + tile)
-            keys = self.gather(self.key_rows, slots[:, t], needed[:, t], self.k_scale, D)
+            keys = self.gather(self.key_rows, slots[:, t], needed[:, t], self.k_scale, D, pb.cache_kind)
             np.matmul(q, keys.transpose(0, 2, 3, 1), out=s[..., t])
         s5 = s.reshape(U, Hk, M, G, Kc)
 
@@ -490,7 +497,7 @@ class _Attention:
         o = np.zeros((U, Hk, M * G, Dv))
         for k0 in range(0, Kc, tile):
             t = slice(k0, k0 + tile)
-            values = self.gather(self.value_rows, slots[:, t], needed[:, t], self.v_scale, Dv)
+            values = self.gather(self.value_rows, slots[:, t], needed[:, t], self.v_scale, Dv, pb.v_cache_kind)
             o += _weighted_values(s[..., t], values, admitted[:, :, t], G)
         o5 = o.reshape(U, Hk, M, G, Dv)
         o5 /= den

@@ -20,6 +20,11 @@ NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": n
 #: sets it (monkeypatch) to run its cases with another backend or launch route.
 OPTIONS = None
 from cupa.contract import TOLERANCE  # noqa: E402  (the one tolerance table, contract §6)
+#: k/v_cache_dtype of each quantized cache kind of :func:`build`, and its largest code (what scales are sized by)
+CACHE_DTYPE = {"int8": "int8", "fp8": "float8e4m3fn", "int4": "int4", "fp4": "float4e2m1"}
+CACHE_QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0, "fp4": 6.0}
+#: the packed 4-bit cache kinds (two codes a byte): their written bytes must equal the reference's
+PACKED_KINDS = ("int4", "fp4")
 
 
 def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=None, past=None,
@@ -27,7 +32,7 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
           rotary=False, interleaved=False, rotary_dim=None, rotary_offset=0, qk_norm=False, sink=False,
           softcap=0.0, window=-1, is_causal=1, slot_mapping=None, query_positions=False, block_table="shuffled",
           spare_blocks=3, bias=None, bias_pad=(0, 0), bias_neg_inf=0.0, qk_output=0, return_lse=False,
-          latent=False, v_head_size=0, scale=0.0):
+          latent=False, v_head_size=0, scale=0.0, v_cache=None):
     """NumPy inputs + attributes of a random paged problem (decode-shaped by default).
 
     ``bias``: None or (batch_broadcast, head_broadcast), an attention_bias of shape (1 or B, 1 or H,
@@ -35,7 +40,9 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
     needed); ``bias_neg_inf``: the fraction of its entries set to -inf, and then also all of entry
     (0, 0, 0, :) (the first query row of sequence 0, head 0 admits no finite key). ``qk_output``,
     ``return_lse``, ``scale``: the attributes. ``latent``: the LATENT layout (kv_num_heads 1, one cache,
-    ``v_head_size`` channels of V; give ``scale`` when v_head_size != D).
+    ``v_head_size`` channels of V; give ``scale`` when v_head_size != D). ``cache``: "T", "int8", "fp8",
+    or the packed 4-bit "int4" / "fp4" (uint8 caches of last dimension D / 2); ``v_cache``: value_cache's
+    kind where it differs (the other packed 4-bit kind).
     """
     T = NP_DTYPES[dtype]
     if latent:
@@ -70,20 +77,17 @@ def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=N
         if not latent:
             inputs["value_cache"] = act(*cshape)
     else:
-        qmax = 127.0 if cache == "int8" else 448.0
-        for which, qt in (("k", k_quant),) if latent else (("k", k_quant), ("v", v_quant)):
+        kinds = (("k", k_quant, cache),) if latent else (("k", k_quant, cache), ("v", v_quant, v_cache or cache))
+        for which, qt, kind in kinds:
             sshape = (1,) if qt == "PER_TENSOR" else (Hk, 1, D)
-            scale = (rng.uniform(0.5, 1.5, size=sshape) * 3.0 / qmax).astype(np.float32)
+            scale = (rng.uniform(0.5, 1.5, size=sshape) * 3.0 / CACHE_QMAX[kind]).astype(np.float32)
             inputs[f"{which}_scale"] = scale
             values = rng.standard_normal(cshape).astype(np.float32)
-            codes = cupa.quantize(values, scale, "int8" if cache == "int8" else "float8e4m3fn",
-                                  as_bytes=(cache == "fp8"))
+            codes = cupa.quantize(values, scale, CACHE_DTYPE[kind], as_bytes=(kind != "int8"))
             inputs["key_cache" if which == "k" else "value_cache"] = codes
             attrs[f"{which}_quant_type"] = qt
-        if cache == "fp8":
-            attrs.update(k_cache_dtype="float8e4m3fn", v_cache_dtype="float8e4m3fn")
-            if latent:
-                attrs.pop("v_cache_dtype")
+            if kind != "int8":
+                attrs[f"{which}_cache_dtype"] = CACHE_DTYPE[kind]
     inputs["cumulative_sequence_length"] = cum
     inputs["past_seqlens"] = np.asarray(past, dtype=np.int32)
     inputs["block_table"] = bt
@@ -243,12 +247,17 @@ def rel_error(out, ref) -> float:
 
 
 def assert_cache_close(got, ref, kind, dtype, name):
-    """T caches within one ulp of T; quantized caches within one code."""
+    """T caches within one ulp of T; 8-bit caches within one code; packed 4-bit caches byte for byte (the
+    prologue encodes in fp32 what the reference encodes in float32: the same codes)."""
     got, ref = np.asarray(got), np.asarray(ref)
     assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
     if got.size == 0:       # an empty cache: nothing to compare
         return
-    if kind == "T":
+    if kind in PACKED_KINDS:
+        differ = got.view(np.uint8) != ref.view(np.uint8)
+        assert not differ.any(), (f"{name}: {int(differ.sum())} of {got.size} {kind} bytes differ from the "
+                                  f"reference's; first at {np.argwhere(differ)[0].tolist()}")
+    elif kind == "T":
         # contract §4.1 has the GPU prologue compute in fp32: where the two terms of a rotated pair
         # cancel, fp32 cannot land within one ulp of T of the float64 result. The bound is one ulp
         # of T at the value plus a few fp32 roundings of the row's magnitude (the operands' size).
@@ -288,15 +297,14 @@ def with_options(attrs: dict, **changes) -> dict:
     return dict(attrs, options=dataclasses.replace(attrs.get("options") or cupa.Options(), **changes))
 
 
-def check_against_reference(cp, inputs, attrs, *, metadata=None, dtype="float16", cache="T", stream=None):
-    """Run reference and CUDA on the same inputs; check output and caches. Returns the device output."""
+def check_against_reference(cp, inputs, attrs, *, metadata=None, dtype="float16", cache="T", stream=None,
+                            v_cache=None):
+    """Run reference and CUDA on the same inputs; check output and caches (``v_cache``: value_cache's kind
+    where it differs from ``cache``). Returns the device output."""
     ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
     ref = cupa.paged_attention(**ref_in, attention_metadata=metadata, **host_attrs(attrs))
     dev = to_device(cp, inputs)
-    N = inputs["query"].shape[0]
-    H = attrs["num_heads"]
-    D = dev["key_cache"].shape[-1]
-    out = cp.full((N, H * D), np.nan, dtype=dev["query"].dtype)
+    out = cp.full(ref.shape, np.nan, dtype=dev["query"].dtype)
     got = cupa.paged_attention(**dev, attention_metadata=metadata, out=out, stream=stream, **attrs)
     assert got is out or got.data.ptr == out.data.ptr
     cp.cuda.get_current_stream().synchronize()
@@ -305,7 +313,7 @@ def check_against_reference(cp, inputs, attrs, *, metadata=None, dtype="float16"
     err = rel_error(host, ref)
     assert err < TOLERANCE[dtype], f"relative error {err:.3g} >= {TOLERANCE[dtype]}"
     assert_cache_close(cp.asnumpy(dev["key_cache"]), ref_in["key_cache"], cache, dtype, "key_cache")
-    assert_cache_close(cp.asnumpy(dev["value_cache"]), ref_in["value_cache"], cache, dtype, "value_cache")
+    assert_cache_close(cp.asnumpy(dev["value_cache"]), ref_in["value_cache"], v_cache or cache, dtype, "value_cache")
     return out, dev
 
 

@@ -36,12 +36,12 @@ FEATURE_CASES = {
 }
 
 
-def test_general_is_last_and_serves_every_feature():
+def test_general_is_last_and_serves_every_feature_but_packed_caches():
     assert dispatch.CUDA_BACKENDS[-1] == "general"
     b = dispatch.cuda_backends()[-1]
     assert b is general.BACKEND and b.name == "general"
     assert b.verified  # tests/test_general_gpu.py and the differential fuzz pass on an H200
-    assert b.serves == frozenset(kbackend.FEATURES) == {"latent", "bias", "output_qk", "return_lse"}
+    assert b.serves == frozenset(kbackend.FEATURES) - {"subbyte"} == {"latent", "bias", "output_qk", "return_lse"}
     assert "general" in cupa.options.BACKEND_NAMES
 
 

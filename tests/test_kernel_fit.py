@@ -48,24 +48,26 @@ def chosen(arch: str) -> list:
     """(spec, dynamic shared bytes) of every kernel a backend launches on a GPU of ``arch``."""
     device = describe_capability(*ARCHS[arch])
     out = []
+    pairs = types.KV_KINDS
     for dt in types.ACT_CXX:
-        for kind in types.CACHE_CXX:
-            out.append((registry.prologue_spec(dt, kind), (prologue.PROLOGUE_THREADS // 32) * 256 * 4))
-            out.extend((registry.decode_spec(dt, kind, heads), 0) for heads in types.HEAD_CHUNKS)
+        for kind, v_kind in pairs:
+            out.append((registry.prologue_spec(dt, kind, v_cache_kind=v_kind), (prologue.PROLOGUE_THREADS // 32) * 256 * 4))
+            out.extend((registry.decode_spec(dt, kind, heads, v_kind), 0) for heads in types.HEAD_CHUNKS)
     for dt in prefill.PREFILL_DTYPES:
         out.append((registry.prologue_spec(dt, "T", token_loop=True), (prologue.BESIDE_THREADS // 32) * 256 * 4))
-        for kind in types.CACHE_CXX:
-            quantized = kind != "T"
+        for kind, v_kind in pairs:
+            quantized, packed = kind != "T", kind in types.PACKED_KINDS
             for d in decode.MMA_HEAD_SIZES:
-                stages = decode.mma_stages(d, quantized, device, 2)
+                stages = decode.mma_stages(d, quantized, device, 2, packed)
                 assert stages is not None, (arch, d, kind)
                 for keys_as_m in ((False, True) if quantized else (False,)):
-                    out.append((registry.decode_mma_spec(dt, kind, d, stages, keys_as_m),
-                                decode.mma_shared_bytes(d, quantized, stages)))
+                    out.append((registry.decode_mma_spec(dt, kind, d, stages, keys_as_m, v_kind),
+                                decode.mma_shared_bytes(d, quantized, stages, packed)))
             for d in prefill.PREFILL_HEAD_SIZES:
-                tile = prefill.tile_for(d, quantized, device)
+                tile = prefill.tile_for(d, quantized, device, packed)
                 assert tile is not None, (arch, d, kind)
-                out.append((registry.prefill_spec(dt, kind, d, tile), prefill.shared_bytes(d, quantized, tile)))
+                out.append((registry.prefill_spec(dt, kind, d, tile, v_kind),
+                            prefill.shared_bytes(d, quantized, tile, packed)))
     if ARCHS[arch] == prefill_wgmma.CAPABILITY:
         for dt in prefill_wgmma.WGMMA_DTYPES:
             out.append((registry.prefill_wgmma_ws_spec(dt), prefill_wgmma.shared_bytes(SimpleNamespace(head_size=128))))

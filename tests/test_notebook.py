@@ -1,4 +1,4 @@
-"""The quickstart notebook runs top to bottom on the NumPy backend (any cell error fails the test)."""
+"""The notebooks run top to bottom on the NumPy backend (any cell error fails the test)."""
 
 import os
 from pathlib import Path
@@ -36,3 +36,12 @@ def test_mla_notebook_exists_and_is_stored_without_outputs():
     nb = nbformat.read(path, as_version=4)
     assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
     assert any("import cupy as xp" in c.source for c in nb.cells)  # the one line that switches to the GPU
+
+
+def test_subbyte_notebook_exists_and_is_stored_without_outputs():
+    path = REPO / "notebooks" / "05_subbyte.ipynb"
+    assert path in NOTEBOOKS
+    nb = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
+    assert any("import cupy as xp" in c.source for c in nb.cells)
+    assert any("import matplotlib" in c.source and "except ImportError" in c.source for c in nb.cells)

@@ -69,6 +69,16 @@ MATRIX = [
     ("fp8-bytes-mixed", dict(cache="fp8_bytes", k_quant="PER_TENSOR", v_quant="PER_CHANNEL")),
     ("fp8-bytes-saturating", dict(cache="fp8_bytes", value_scale=40.0)),
     ("int8-saturating", dict(cache="int8", value_scale=40.0, k_quant="PER_CHANNEL")),
+    ("int4-tensor", dict(cache="int4")),
+    ("int4-channel", dict(cache="int4", k_quant="PER_CHANNEL", v_quant="PER_CHANNEL", rotary="half")),
+    ("fp4-tensor", dict(cache="fp4", qk_norm=True)),
+    ("fp4-channel", dict(cache="fp4", k_quant="PER_CHANNEL", v_quant="PER_CHANNEL", head_size=128)),
+    ("int4-k-fp4-v", dict(cache="int4", v_cache="fp4", k_quant="PER_CHANNEL")),
+    ("fp4-k-int4-v", dict(cache="fp4", v_cache="int4", v_quant="PER_CHANNEL", packed=True)),
+    ("int4-k-fp8-v", dict(cache="int4", v_cache="fp8_bytes", k_quant="PER_CHANNEL", window=3)),
+    ("fp8-k-fp4-v", dict(cache="fp8_bytes", v_cache="fp4", sink=True)),
+    ("int4-saturating", dict(cache="int4", value_scale=40.0, k_quant="PER_CHANNEL")),
+    ("fp4-saturating", dict(cache="fp4", value_scale=40.0)),
     ("slot-explicit", dict(slot_mapping="derived")),
     ("slot-skip", dict(slot_mapping="skip")),
     ("latent", dict(latent=True, num_heads=4, head_size=96, v_head_size=64, scale=0.11,
@@ -76,6 +86,10 @@ MATRIX = [
     ("latent-fp8-channel", dict(latent=True, num_heads=2, head_size=64, v_head_size=48, scale=0.2,
                                 cache="fp8", k_quant="PER_CHANNEL", qk_output=2)),
     ("latent-int8-tensor", dict(latent=True, num_heads=4, head_size=64, scale=0.2, cache="int8")),
+    ("latent-int4-channel", dict(latent=True, num_heads=4, head_size=64, v_head_size=40, scale=0.2, cache="int4",
+                                 k_quant="PER_CHANNEL")),
+    ("latent-fp4-tensor", dict(latent=True, num_heads=2, head_size=96, v_head_size=64, scale=0.1, cache="fp4",
+                               qk_output=1)),
     ("everything", dict(packed=True, rotary="interleaved", rotary_dim=32, rotary_offset=8, qk_norm=True,
                         positions="explicit", window=6, softcap=8.0, sink=True, bias=(False, True),
                         qk_output=2, cache="int8", k_quant="PER_CHANNEL", slot_mapping="skip",
@@ -110,7 +124,7 @@ def test_return_lse_changes_nothing_else(rng, name):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("cache", ["T", "int8", "fp8", "fp8_bytes"])
+@pytest.mark.parametrize("cache", ["T", "int8", "fp8", "fp8_bytes", "int4", "fp4"])
 def test_dtypes_and_caches(rng, dtype, cache):
     opts = dict(dtype=dtype, cache=cache, rotary="half", qk_norm=bool(rng.integers(2)), sink=True,
                 k_quant=str(rng.choice(["PER_TENSOR", "PER_CHANNEL"])),

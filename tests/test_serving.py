@@ -66,7 +66,8 @@ def test_every_cache_dtype_allocates_and_runs(rng, name, layout):
     cache = serving.KVCache([serving.full_attention(), serving.sliding_window(3, "ring")], kv_num_heads=Hk,
                             head_size=16, dtype=T, cache_dtype=name, k_quant_type="PER_CHANNEL",
                             kv_cache_layout=layout, block_size=4, num_blocks=6)
-    assert cache.key_caches[0].dtype.name == entry.storage and cache.key_caches[0].shape == (6, 4, Hk, 16)
+    assert cache.key_caches[0].dtype.name == entry.storage
+    assert cache.key_caches[0].shape == (6, 4, Hk, 16 // entry.elements_per_item)
     assert (cache.value_caches[0] is None) == (layout == "LATENT")
     m = serving.KVCacheManager(cache, max_num_seqs=2, max_model_len=16, enable_prefix_caching=False)
     m.add("a")
@@ -82,16 +83,24 @@ def test_every_cache_dtype_allocates_and_runs(rng, name, layout):
     assert np.count_nonzero(cache.key_caches[0].view(np.uint8)) > 0      # the op wrote the blocks
 
 
-def test_a_new_cache_dtype_is_one_table_entry(monkeypatch):
-    """A packed sub-byte type: storage, last dimension, bytes and attributes all follow the entry."""
-    entry = serving.CacheDType("int4", storage="uint8", quantized=True, elements_per_item=2, attribute="int4")
-    monkeypatch.setitem(serving.CACHE_DTYPES, "int4", entry)
-    cache = serving.KVCache(2, kv_num_heads=2, head_size=64, dtype="float16", cache_dtype="int4",
-                            block_size=16, memory_bytes=10 * 2 * 2 * 16 * 2 * 32)
+@pytest.mark.parametrize("name,zero_byte", [("int4", 0x88), ("float4e2m1", 0x00)])
+def test_packed_cache_dtypes_follow_their_table_entry(name, zero_byte):
+    """A packed 4-bit type: storage, last dimension, bytes, fill and attributes all follow the entry."""
+    cache = serving.KVCache(2, kv_num_heads=2, head_size=64, dtype="float16", cache_dtype=name,
+                            k_quant_type="PER_CHANNEL", block_size=16, memory_bytes=10 * 2 * 2 * 16 * 2 * 32)
     assert cache.num_blocks == 10 and cache.key_caches[0].shape == (10, 16, 2, 32)
+    assert cache.bytes_per_block == 2 * 2 * 16 * 2 * 32
     assert cache.key_caches[0].dtype == np.uint8
-    assert cache.attributes(0) == dict(kv_num_heads=2, k_quant_type="PER_TENSOR", k_cache_dtype="int4",
-                                       v_quant_type="PER_TENSOR", v_cache_dtype="int4")
+    for c in cache.key_caches + cache.value_caches:   # every code 0.0: an unwritten row reads as zeros
+        assert (c == zero_byte).all()
+        np.testing.assert_array_equal(cupa.dequantize(c[0], np.ones(1, np.float32), name), 0.0)
+    assert cache.k_scales[0].shape == (2, 1, 64) and cache.v_scales[0].shape == (1,)
+    assert cache.attributes(0) == dict(kv_num_heads=2, k_quant_type="PER_CHANNEL", k_cache_dtype=name,
+                                       v_quant_type="PER_TENSOR", v_cache_dtype=name)
+    import ml_dtypes
+
+    assert serving.KVCache(1, kv_num_heads=1, head_size=8, cache_dtype=np.dtype(ml_dtypes.float4_e2m1fn) if
+                           name == "float4e2m1" else name, num_blocks=1).cache_dtype.name == name
 
 
 def test_block_count_from_budget():
@@ -455,7 +464,10 @@ SIM_LAYERS = {
     "full+ring+evict": [serving.full_attention(), serving.sliding_window(10, "ring", max_query_len=6),
                         serving.sliding_window(7, "evict")],
     "full+evict, int8": [serving.full_attention(), serving.sliding_window(9, "evict")],
+    "full+ring, int4": [serving.full_attention(), serving.sliding_window(10, "ring", max_query_len=6)],
 }
+#: a config's cache dtype and the magnitude of its scales (about 4 / the largest code)
+SIM_CACHES = {"int8": 0.03, "int4": 0.5}
 
 
 @pytest.mark.parametrize("config", sorted(SIM_LAYERS))
@@ -465,12 +477,12 @@ def test_continuous_batching_matches_dense_attention(rng, config):
     against dense attention over the sequence's full history."""
     H, D = 4, 8
     kinds = SIM_LAYERS[config]
-    quant = "int8" in config
+    cache_dtype = next((name for name in SIM_CACHES if name in config), None)
+    s = SIM_CACHES.get(cache_dtype)
+    scales = (lambda l: (np.float32(rng.uniform(s * 2 / 3, s * 4 / 3, (2, 1, D))), np.float32([s]))) if s else None
     model = ToyModel(rng, len(kinds), H, 2, D, "float32")
-    scales = (lambda l: (np.float32(rng.uniform(0.02, 0.04, (2, 1, D))), np.float32([0.03]))) if quant else None
     d = Driver(rng, model, H, dict(layers=kinds, kv_num_heads=2, head_size=D, dtype="float32", block_size=4,
-                                   num_blocks=34, cache_dtype="int8" if quant else None,
-                                   k_quant_type="PER_CHANNEL"),
+                                   num_blocks=34, cache_dtype=cache_dtype, k_quant_type="PER_CHANNEL"),
                dict(max_num_seqs=4, max_model_len=60, max_num_batched_tokens=12), scales=scales)
     systems = [rng.integers(0, 90, 9).tolist(), rng.integers(0, 90, 14).tolist()]
     arrivals = []                 # (step, seq, prompt, final length)
@@ -509,7 +521,7 @@ def test_continuous_batching_matches_dense_attention(rng, config):
             budget -= len(tokens)
         step, _, outs = d.step()
         steps += 1
-        d.check_dense(step, outs, tol=2e-5 if quant else 1e-5)
+        d.check_dense(step, outs, tol=2e-5 if cache_dtype else 1e-5)
         d.m.check()
         for s in step.seq_ids:
             if s in todo and not todo[s] and len(d.tokens[s]) >= target[s]:

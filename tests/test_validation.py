@@ -330,11 +330,77 @@ def test_cache_dtype_unsigned_rejected(check, name, bad):
         check(*separate(), **{name: bad})
 
 
+def sub_byte(k="int4", v="int4", kq="PER_CHANNEL", vq="PER_TENSOR", **changes):
+    """A valid packed sub-byte SEPARATE call: uint8 caches, last dim D/2 for a 4-bit type, D for fp8 bytes."""
+    width = {"int4": D // 2, "float4e2m1": D // 2, "float8e4m3fn": D}
+    attrs, infos = quantized("uint8", kq, vq, key_cache=A((NB, BS, HK, width[k]), "uint8"),
+                             value_cache=A((NB, BS, HK, width[v]), "uint8"))
+    attrs.update(k_cache_dtype=k, v_cache_dtype=v)
+    infos.update(changes)
+    return attrs, infos
+
+
+KINDS = {"int4": "int4", "float4e2m1": "fp4", "float8e4m3fn": "fp8"}
+
+
+@pytest.mark.parametrize("k,v", [("int4", "int4"), ("float4e2m1", "float4e2m1"), ("int4", "float4e2m1"),
+                                 ("float4e2m1", "int4"), ("int4", "float8e4m3fn"), ("float8e4m3fn", "float4e2m1")])
+def test_valid_sub_byte(check, k, v):
+    p = check(*sub_byte(k, v))
+    assert (p.cache_kind, p.v_cache_kind) == (KINDS[k], KINDS[v]) and p.quantized and p.sub_byte
+    assert p.packed == (k != "float8e4m3fn" and v != "float8e4m3fn")
+    assert p.fp8_as_bytes == ("float8e4m3fn" in (k, v))
+    assert (p.cache_row_items, p.v_cache_row_items) == (D if k == "float8e4m3fn" else D // 2,
+                                                         D if v == "float8e4m3fn" else D // 2)
+    rows = NB * BS * HK
+    assert p.input_nbytes["key_cache"] == rows * p.cache_row_items
+    assert p.input_nbytes["value_cache"] == rows * p.v_cache_row_items
+    assert p.cache_block_bytes == BS * HK * p.cache_row_items
+
+
+@pytest.mark.parametrize("kind", ["int4", "float4e2m1"])
+def test_valid_sub_byte_latent(check, kind):
+    attrs, infos = latent(key_cache=A((NB, BS, 1, LD // 2), "uint8"), k_scale=A((1, 1, LD), "float32"))
+    p = check(attrs, infos, k_quant_type="PER_CHANNEL", k_cache_dtype=kind)
+    assert p.latent and p.cache_kind == p.v_cache_kind == KINDS[kind] and p.packed
+
+
+@pytest.mark.parametrize("which", ["key_cache", "value_cache"])
+def test_sub_byte_cache_last_dim_is_half_the_head_size(check, which):
+    with raises(which, f"shape ({NB}, {BS}, {HK}, {D})", f"dim 3 == head_size / 2 ({D // 2})",
+                "packs two codes a byte"):
+        check(*sub_byte(**{which: A((NB, BS, HK, D), "uint8")}))
+
+
+def test_fp8_bytes_beside_a_packed_cache_keeps_the_head_size(check):
+    with raises("value_cache", f"shape ({NB}, {BS}, {HK}, {D // 2})", f"dim 3 == head_size ({D})"):
+        check(*sub_byte("int4", "float8e4m3fn", value_cache=A((NB, BS, HK, D // 2), "uint8")))
+    with raises("key_cache", f"shape ({NB}, {BS}, {HK}, {D // 2})", f"dim 3 == head_size ({D})"):
+        check(*sub_byte("float8e4m3fn", "int4", key_cache=A((NB, BS, HK, D // 2), "uint8")))
+
+
+def test_sub_byte_odd_head_size(check):
+    """A head size that does not split into whole bytes (or 8-channel chunks) is refused before the caches."""
+    attrs, infos = sub_byte(query=A((N, H * 13)), key=A((N, HK * 13)), value=A((N, HK * 13)))
+    with raises("query", "head_size 13", "a positive multiple of 8"):
+        check(attrs, infos)
+
+
 @pytest.mark.parametrize("name", ["k_cache_dtype", "v_cache_dtype"])
 @pytest.mark.parametrize("bad", ["int4", "float4e2m1"])
-def test_cache_dtype_sub_byte_not_supported_yet(check, name, bad):
-    with raises(name, repr(bad), "; expected", "not supported yet"):
-        check(*quantized("uint8"), **{name: bad})
+def test_sub_byte_needs_uint8_arrays(check, name, bad):
+    with raises(name, repr(bad), "; expected '' or the cache tensor's own type (int8)", "packs two codes a byte"):
+        check(*quantized("int8"), **{name: bad})
+
+
+def test_sub_byte_per_channel_scale_is_per_logical_channel(check):
+    with raises("k_scale", f"shape ({HK}, 1, {D // 2})", f"shape ({HK}, 1, {D})"):
+        check(*sub_byte(k_scale=A((HK, 1, D // 2), "float32")))
+
+
+def test_sub_byte_needs_scales(check):
+    with raises("k_quant_type", "'NONE'", "'PER_TENSOR' or 'PER_CHANNEL'"):
+        check(*sub_byte(k_scale=None), k_quant_type="NONE")
 
 
 def test_kv_cache_layout_vocabulary(check):
@@ -620,12 +686,14 @@ def test_cache_dtype_unsupported(check, bad):
 
 
 def test_uint8_cache_needs_fp8_name_for_k(check):
-    with raises("k_cache_dtype", "''", "; expected 'float8e4m3fn' when the cache arrays are uint8"):
+    with raises("k_cache_dtype", "''", "; expected 'float8e4m3fn' (raw e4m3 bytes), 'int4' or 'float4e2m1' (two "
+                "codes a byte) when the cache arrays are uint8"):
         check(*quantized("uint8"), k_cache_dtype="")
 
 
 def test_uint8_cache_needs_fp8_name_for_v(check):
-    with raises("v_cache_dtype", "'int8'", "; expected 'float8e4m3fn' when the cache arrays are uint8"):
+    with raises("v_cache_dtype", "'int8'", "; expected 'float8e4m3fn' (raw e4m3 bytes), 'int4' or 'float4e2m1' (two "
+                "codes a byte) when the cache arrays are uint8"):
         check(*quantized("uint8"), v_cache_dtype="int8")
 
 

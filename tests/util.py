@@ -31,8 +31,12 @@ F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 from cupa.contract import TOLERANCE as REL_TOL  # noqa: E402  (the one tolerance table, contract §6)
 #: mantissa bits and minimum normal exponent of each T (for ulp bounds)
 _MANT = {"float16": (10, -14), "bfloat16": (7, -126), "float32": (23, -126)}
-#: cache kinds accepted by make_case
-CACHE_KINDS = ("T", "int8", "fp8", "fp8_bytes")
+#: cache kinds accepted by make_case ("int4" / "fp4": packed two codes a byte in uint8 caches)
+CACHE_KINDS = ("T", "int8", "fp8", "fp8_bytes", "int4", "fp4")
+#: k/v_cache_dtype of the kinds held in uint8 arrays
+BYTE_KINDS = {"fp8_bytes": "float8e4m3fn", "int4": "int4", "fp4": "float4e2m1"}
+#: the largest code of each quantized kind (what make_case sizes its scales by)
+QMAX = {"int8": 127, "fp8": 448, "fp8_bytes": 448, "int4": 7, "fp4": 6}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -92,9 +96,12 @@ def _rand_T(rng, shape, T, scale=1.0):
 
 
 def _random_cache(rng, shape, kind, T, qmax):
-    """Garbage-filled cache of the requested kind (random values, never all zero)."""
+    """Garbage-filled cache of the requested kind (random values, never all zero; packed kinds: random
+    bytes, last dimension halved, every nibble a valid code)."""
     if kind == "T":
         return _rand_T(rng, shape, T)
+    if kind in ("int4", "fp4"):
+        return rng.integers(1, 256, size=shape[:-1] + (shape[-1] // 2,)).astype(np.uint8)
     if kind == "int8":
         c = rng.integers(-qmax, qmax + 1, size=shape).astype(np.int8)
         c[c == 0] = 1
@@ -111,14 +118,17 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
               positions=None, qk_norm=False, window=-1, softcap=0.0, sink=False, is_causal=1,
               scale=0.0, bias=None, bias_pad=(0, 0), qk_output=0, slot_mapping=None,
               metadata=None, shuffle=True, extra_blocks=3, extra_cols=1, unused_cols="garbage",
-              latent=False, v_head_size=0, value_scale=1.0):
+              latent=False, v_head_size=0, value_scale=1.0, v_cache=None):
     """Build a random paged call.
 
     Parameters (all keyword)
     ------------------------
     q_lens, past : per-sequence new-token counts and cached lengths (ragged; zeros allowed).
     dtype : T ("float16", "bfloat16", "float32").
-    cache : "T", "int8", "fp8" (ml_dtypes float8_e4m3fn arrays) or "fp8_bytes" (uint8 + k/v_cache_dtype).
+    cache : "T", "int8", "fp8" (ml_dtypes float8_e4m3fn arrays), "fp8_bytes" (uint8 + k/v_cache_dtype), or
+        "int4" / "fp4" (packed two codes a byte in uint8 arrays of last dimension head_size / 2).
+    v_cache : value_cache's kind when it differs from ``cache`` (both of the uint8 kinds: "fp8_bytes",
+        "int4", "fp4").
     k_quant, v_quant : "PER_TENSOR" or "PER_CHANNEL" (quantized caches only).
     packed : packed QKV in ``query``.
     rotary : None, "half" or "interleaved"; rotary_dim (default head_size - rotary_offset); rotary_offset.
@@ -159,10 +169,10 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
             bt[b, need[b]:] = rng.integers(0, NB, size=MB - need[b])
 
     quant = cache != "T"
-    qmax = 127 if cache == "int8" else 448
+    v_cache = cache if v_cache is None or latent else v_cache
     cache_shape = (NB, bs, Hk, D)
-    key_cache = _random_cache(rng, cache_shape, cache, T, qmax)
-    value_cache = None if latent else _random_cache(rng, cache_shape, cache, T, qmax)
+    key_cache = _random_cache(rng, cache_shape, cache, T, QMAX.get(cache))
+    value_cache = None if latent else _random_cache(rng, cache_shape, v_cache, T, QMAX.get(v_cache))
 
     attrs = dict(num_heads=H, kv_num_heads=Hk)
     inputs = dict.fromkeys(INPUT_NAMES)
@@ -205,20 +215,20 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
     if sink:
         inputs["head_sink"] = (rng.standard_normal(H) * 2.0).astype(T)
     if quant:
-        def mkscale(qt, mag):
-            base = 3.0 * mag / qmax
+        def mkscale(qt, mag, kind):
+            base = 3.0 * mag / QMAX[kind]
             if qt == "PER_TENSOR":
                 return np.array([base * rng.uniform(0.8, 1.2)], dtype=np.float32)
             return (base * rng.uniform(0.5, 1.5, (Hk, 1, D))).astype(np.float32)
-        inputs["k_scale"] = mkscale(k_quant, 1.0)
+        inputs["k_scale"] = mkscale(k_quant, 1.0, cache)
         attrs["k_quant_type"] = k_quant
         if not latent:
-            inputs["v_scale"] = mkscale(v_quant, value_scale)
+            inputs["v_scale"] = mkscale(v_quant, value_scale, v_cache)
             attrs["v_quant_type"] = v_quant
-        if cache == "fp8_bytes":
-            attrs["k_cache_dtype"] = "float8e4m3fn"
+        if cache in BYTE_KINDS:
+            attrs["k_cache_dtype"] = BYTE_KINDS[cache]
             if not latent:
-                attrs["v_cache_dtype"] = "float8e4m3fn"
+                attrs["v_cache_dtype"] = BYTE_KINDS[v_cache]
     if bias is not None:
         bb, hb = bias
         qcap = int(max(1, q_lens.max() + bias_pad[0]))
@@ -245,7 +255,7 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
         attrs["kv_cache_layout"] = "LATENT"
         if v_head_size:
             attrs["v_head_size"] = v_head_size
-    return Case(inputs, attrs, q_lens, past, dict(positions=pos, cache=cache, block_size=bs))
+    return Case(inputs, attrs, q_lens, past, dict(positions=pos, cache=cache, v_cache=v_cache, block_size=bs))
 
 
 def prefill_case(rng, batch=2, q_len=12, past=0, **kw):
@@ -287,13 +297,31 @@ class DenseResult:
 
 
 def _quantize_plain(x_T, scale, kind):
-    """Plain restatement of the write rule: saturate(rne(float32(x) * float32(1/scale)))."""
+    """Plain restatement of the write rule: saturate(rne(float32(x) * float32(1/scale))); int4 and
+    e2m1 codes packed two a byte (int4 nibble q + 8; NaN saturates to -8, and to +6 in e2m1)."""
     inv = np.float32(1.0) / np.asarray(scale, dtype=np.float32)
     y = np.asarray(x_T).astype(np.float32) * inv
     y = y.astype(np.float32)
     if kind == "int8":
         return np.clip(np.round(y), -128, 127).astype(np.int8)
-    return np.clip(y, -448.0, 448.0).astype(np.float32).astype(F8)
+    if kind == "int4":
+        nibbles = np.where(np.isnan(y), 0, np.clip(np.round(y), -8, 7) + 8).astype(np.uint8)
+    elif kind == "fp4":
+        codes = np.where(np.isnan(y), np.float32(6), np.clip(y, -6.0, 6.0)).astype(np.float32)
+        nibbles = codes.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 15
+    else:
+        return np.clip(y, -448.0, 448.0).astype(np.float32).astype(F8)
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_plain(row, kind):
+    """float64 code values of a packed row (..., n) of ``kind`` ("int4" / "fp4"): (..., 2n), code 2i from
+    the low nibble of byte i."""
+    row = np.asarray(row)
+    nibbles = np.stack([row & 15, row >> 4], axis=-1).reshape(row.shape[:-1] + (2 * row.shape[-1],))
+    if kind == "int4":
+        return nibbles.astype(np.float64) - 8.0
+    return nibbles.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
 
 
 def dense_attention(case: Case) -> DenseResult:
@@ -327,11 +355,15 @@ def dense_attention(case: Case) -> DenseResult:
     eps = get("qk_norm_epsilon", 1e-6)
     qk_mode = get("qk_output", 0)
     if kc.dtype == T:
-        kind = "T"
+        k_kind = "T"
     elif kc.dtype == np.int8:
-        kind = "int8"
+        k_kind = "int8"
+    elif kc.dtype == np.uint8:
+        k_kind = {"float8e4m3fn": "fp8", "int4": "int4", "float4e2m1": "fp4"}[get("k_cache_dtype", "")]
     else:
-        kind = "fp8"
+        k_kind = "fp8"
+    v_kind = k_kind if latent else ({"float8e4m3fn": "fp8", "int4": "int4", "float4e2m1": "fp4"}[
+        get("v_cache_dtype", "")] if kc.dtype == np.uint8 else k_kind)
     as_bytes = kc.dtype == np.uint8
     md = inp["attention_metadata"]
     kvcap = MB * bs
@@ -350,7 +382,7 @@ def dense_attention(case: Case) -> DenseResult:
             return np.full(width, float(s[0]))
         return f64(s[kvh, 0, :width])
 
-    def encode(x_T, name, kvh):
+    def encode(x_T, name, kvh, kind):
         if kind == "T":
             return x_T
         s = np.asarray(inp[name], dtype=np.float32)
@@ -358,10 +390,12 @@ def dense_attention(case: Case) -> DenseResult:
         codes = _quantize_plain(x_T, s, kind)
         return codes.view(np.uint8) if as_bytes else codes
 
-    def decode(row, name, kvh, width):
-        row = row[:width]
+    def decode(row, name, kvh, width, kind):
         if kind == "T":
-            return f64(row)
+            return f64(row[:width])
+        if kind in ("int4", "fp4"):
+            return unpack_plain(row, kind)[:width] * scale_for(name, kvh, width)
+        row = row[:width]
         if as_bytes:
             row = row.view(F8)
         return f64(row) * scale_for(name, kvh, width)
@@ -453,9 +487,9 @@ def dense_attention(case: Case) -> DenseResult:
         written[t] = True
         slot_of[t] = slot
         for h in range(Hk):
-            kc[slot // bs, slot % bs, h] = encode(info["k"][h], "k_scale", h)
+            kc[slot // bs, slot % bs, h] = encode(info["k"][h], "k_scale", h, k_kind)
             if not latent:
-                vc[slot // bs, slot % bs, h] = encode(info["v"][h], "v_scale", h)
+                vc[slot // bs, slot % bs, h] = encode(info["v"][h], "v_scale", h, v_kind)
 
     # --- reads ---
     out = np.zeros((N, H, Dv))
@@ -481,11 +515,11 @@ def dense_attention(case: Case) -> DenseResult:
                 continue
             kpos.append(k)
             admitted[t].add(blk * bs + k % bs)
-            keys.append([decode(kc[blk, k % bs, h], "k_scale", h, D) for h in range(Hk)])
+            keys.append([decode(kc[blk, k % bs, h], "k_scale", h, D, k_kind) for h in range(Hk)])
             if latent:
-                vals.append([decode(kc[blk, k % bs, 0], "k_scale", 0, Dv)])
+                vals.append([decode(kc[blk, k % bs, 0], "k_scale", 0, Dv, k_kind)])
             else:
-                vals.append([decode(vc[blk, k % bs, h], "v_scale", h, D) for h in range(Hk)])
+                vals.append([decode(vc[blk, k % bs, h], "v_scale", h, D, v_kind) for h in range(Hk)])
         if not kpos:
             continue
         for h in range(H):
@@ -553,20 +587,25 @@ def assert_within_ulp(out, ref, dtype, n=1.0, what="output"):
                            f"first at {np.argwhere(bad)[0].tolist()}: got {o[bad][0]!r}, expected {r[bad][0]!r}")
 
 
-def _code_ordinal(c):
-    """Signed ordinal of cache codes: consecutive representable values differ by 1."""
+def _code_ordinal(c, packed=None):
+    """Signed ordinal of cache codes: consecutive representable values differ by 1 (``packed``: "int4" or
+    "fp4", the ordinals of the two nibbles of each byte, last dimension doubled)."""
     c = np.asarray(c)
+    if packed is not None:
+        n = np.stack([c & 15, c >> 4], axis=-1).astype(np.int64).reshape(c.shape[:-1] + (2 * c.shape[-1],))
+        return n if packed == "int4" else np.where(n & 8, -(n & 7), n & 7)
     if c.dtype == np.int8:
         return c.astype(np.int64)
     u = c.view(np.uint8).astype(np.int64)
     return np.where(u & 0x80, -(u & 0x7F), u & 0x7F)
 
 
-def assert_cache_close(actual, expected, steps=0, what="cache", max_frac=1.0):
+def assert_cache_close(actual, expected, steps=0, what="cache", max_frac=1.0, packed=None):
     """Caches equal byte for byte (steps=0), or within ``steps`` ulp/code where they differ.
 
     ``max_frac`` bounds the fraction of elements allowed to differ at all (rounding-boundary
-    coincidences between two float64 implementations are rare, systematic errors are not).
+    coincidences between two float64 implementations are rare, systematic errors are not);
+    ``packed`` ("int4" / "fp4"): uint8 caches of 4-bit codes, compared code by code.
     """
     a, e = np.ascontiguousarray(actual), np.ascontiguousarray(expected)
     assert a.shape == e.shape and a.dtype == e.dtype, f"{what}: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
@@ -581,7 +620,7 @@ def assert_cache_close(actual, expected, steps=0, what="cache", max_frac=1.0):
         diff = np.abs(a.astype(np.float64) - e.astype(np.float64))
         bad = diff > steps * ulp(e.astype(np.float64), a.dtype.name)
     else:
-        bad = np.abs(_code_ordinal(a) - _code_ordinal(e)) > steps
+        bad = np.abs(_code_ordinal(a, packed) - _code_ordinal(e, packed)) > steps
     assert not bad.any(), f"{what}: {int(bad.sum())} elements differ by more than {steps} ulp/code; first at {first}"
     assert ndiff <= max(1, max_frac * a.size), f"{what}: {ndiff} of {a.size} elements differ (by at most {steps} step)"
 
@@ -622,10 +661,13 @@ def check_against_dense(case: Case, result, dense: DenseResult, *, caches_after:
         assert_lse_close(lse, dense.lse)
     src = caches_after if caches_after is not None else case
     # float64 implementations may land on opposite sides of a rounding boundary very rarely
-    assert_cache_close(src.inputs["key_cache"], dense.key_cache, steps=1, max_frac=1e-3, what="key_cache")
+    k_packed = case.info.get("cache") if case.info.get("cache") in ("int4", "fp4") else None
+    v_packed = case.info.get("v_cache") if case.info.get("v_cache") in ("int4", "fp4") else None
+    assert_cache_close(src.inputs["key_cache"], dense.key_cache, steps=1, max_frac=1e-3, what="key_cache",
+                       packed=k_packed)
     if dense.value_cache is not None:
         assert_cache_close(src.inputs["value_cache"], dense.value_cache, steps=1, max_frac=1e-3,
-                           what="value_cache")
+                           what="value_cache", packed=v_packed)
 
 
 def apply_rope(x, cos_row, sin_row, offset=0, interleaved=False):

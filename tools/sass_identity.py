@@ -1,7 +1,7 @@
 """Compare the SASS of every registered specialization between two trees of cupa (no GPU needed).
 
     python tools/sass_identity.py --before REV [--after REV] [--arch sm_80,sm_90] \
-        [--map 'AFTER_REGEX=>BEFORE_TEMPLATE' ...] [--jobs N] [--json out.json]
+        [--map 'AFTER_REGEX=>BEFORE_TEMPLATE' ...] [--kept] [--jobs N] [--json out.json]
 
 Each tree (a git revision exported with ``git archive``; ``--after`` defaults to the working tree)
 lists its specializations with its own ``cupa.kernels.registry``, and each specialization is
@@ -19,9 +19,10 @@ with no matching rule, the same text. For example, a ``-D`` switch turned into a
 
     --map 'decode_mma:paged_decode_mma<(.*), 3, true>=>decode_mma:paged_decode_mma<\\1> [-DCUPA_MMA8_T=1]'
 
-Prints one line per (pair, arch): ``identical``, ``DIFFERENT`` (with the first differing
-instructions), ``new`` (no before counterpart: compiled and reported, not compared) or ``removed``;
-then a summary. The exit status is 1 when a pair differs or fails to compile, else 0.
+``--kept`` leaves out the after specializations without a before counterpart (a change that adds
+kernels: only the kept ones are compiled and compared). Prints one line per (pair, arch):
+``identical``, ``DIFFERENT`` (with the first differing instructions), ``new`` (no before
+counterpart: compiled and reported, not compared) or ``removed``; then a summary. The exit status is 1 when a pair differs or fails to compile, else 0.
 
 cuobjdump comes from ``--cuobjdump``, ``PATH``, or the ``nvidia-cuda-cuobjdump`` pip package
 (``nvidia/cu13/bin/cuobjdump``; it runs nvdisasm, from ``nvidia-cuda-nvdisasm``, found beside it or on
@@ -160,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="sm_80,sm_90", help="architectures (default %(default)s)")
     ap.add_argument("--map", action="append", default=[], help="AFTER_REGEX=>BEFORE_TEMPLATE (repeatable)")
     ap.add_argument("--filter", default="", help="only after specializations whose text contains this")
+    ap.add_argument("--kept", action="store_true",
+                    help="only after specializations with a before counterpart (new ones are not compiled)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--cuobjdump", default="")
     ap.add_argument("--json", default="", help="write the results here")
@@ -176,6 +179,8 @@ def main(argv=None) -> int:
         before = {str(s): s for s in tree_specs(before_tree)}
         after = {str(s): s for s in tree_specs(after_tree) if args.filter in str(s)}
         pairs = [(a, before_text(a, rules)) for a in after]
+        if args.kept:
+            pairs = [(a, b) for a, b in pairs if b in before]
         paired = {b for _, b in pairs if b in before}
         removed = [b for b in before if b not in paired and not args.filter]
 

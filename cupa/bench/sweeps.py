@@ -5,15 +5,17 @@ Full sweeps (fp16, GQA 32/8, D=128, block 16 unless the sweep varies it):
 
 - decode: context length 1k..128k at B=8 for block sizes 1, 16, 64, 256; batch 1..256 at L=4096;
   head size 64/128/256; GQA ratio MHA / 4 / 8 / MQA; bf16; int8 and fp8 caches (per channel, per
-  tensor); sliding window at 32k and 128k; sinks (with and without a GPT-OSS window); ragged
-  lengths; without attention_metadata.
+  tensor); int4 and float4 e2m1 caches (per channel, per tensor; the decode backend by name until
+  verified on a GPU); sliding window at 32k and 128k; sinks (with and without a GPT-OSS window);
+  ragged lengths; without attention_metadata.
 - prefill: length 512..16k at 16k tokens per batch (block 16 and 256, fp16; block 16, bf16); the
   B=4 x 2048 rows at block sizes 1/16/64/256; head size, GQA ratio, 8-bit caches, window, sinks,
   ragged prompt lengths, no attention_metadata.
 - chunked: chunks of 256/1024/2048 new tokens after 2k/8k/32k cached ones; with a window.
 - mixed: decode batches with prefill chunks in the same call (continuous batching).
 - mla: absorbed DeepSeek-V3 MLA (576/512, one latent row), batch and context sweeps, H=16/128.
-- subbyte: int4 and float4 e2m1 caches.
+- subbyte: int4 and float4 e2m1 caches in prefill and chunked prefill (the prefill backend by
+  name until verified on a GPU; their decode cases are the decode suite's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ __all__ = ["attention_cases", "SIZES"]
 SIZES = ("full", "quick", "smoke")
 #: Shapes of the smoke mode: small enough for the float64 reference, every sweep still present.
 SMOKE = dict(num_heads=4, kv_num_heads=2, head_size=16)
+#: The packed 4-bit caches (decode target, H200, B=64 L=4096 fp16 GQA 32/8 D=128 block 16: <= 75 us).
+PACKED_CACHES = ("int4", "float4e2m1")
 
 
 def _ragged(rng_seed: int, n: int, lo: int, hi: int) -> list:
@@ -52,6 +56,8 @@ def decode_cases(size: str) -> list:
                for bs in (1, 4) for L in (8, 32)]
         out += [C.decode(2, 24, block_size=4, cache="int8", **s),
                 C.decode(2, 24, block_size=4, cache="fp8", quant="PER_TENSOR", **s),
+                C.decode(2, 24, block_size=4, cache="int4", **s),
+                C.decode(2, 24, block_size=4, cache="float4e2m1", quant="PER_TENSOR", **s),
                 C.decode(2, 24, block_size=4, window=8, sinks=True, **s),
                 C.decode(2, 24, block_size=4, metadata=False, **s),
                 C.ragged_decode([5, 19, 33], "U[1,40]", block_size=4, **s)]
@@ -60,6 +66,7 @@ def decode_cases(size: str) -> list:
     if size == "quick":
         out = [C.decode(64, 4096), C.decode(16, 32768), C.decode(8, 8192), C.decode(8, 8192, metadata=False),
                C.decode(64, 4096, cache="int8"), C.decode(64, 4096, cache="fp8", quant="PER_TENSOR")]
+        out += [C.decode(64, 4096, cache=cache) for cache in PACKED_CACHES]
         out += [ctx(L, bs) for bs in (16, 256) for L in (1024, 8192, 32768)]
         return _unique(out)
     out = [C.decode(64, 4096), C.decode(16, 32768), C.decode(8, 8192)]
@@ -73,6 +80,9 @@ def decode_cases(size: str) -> list:
     out += [C.decode(64, 4096, cache=cache, quant=quant) for cache in ("int8", "fp8")
             for quant in ("PER_CHANNEL", "PER_TENSOR")]
     out += [C.decode(16, 32768, cache="fp8", quant="PER_TENSOR"), C.decode(16, 32768, cache="int8")]
+    out += [C.decode(64, 4096, cache=cache, quant=quant) for cache in PACKED_CACHES
+            for quant in ("PER_CHANNEL", "PER_TENSOR")]
+    out += [C.decode(16, 32768, cache=cache) for cache in PACKED_CACHES]
     out += [C.decode(16, 32768, window=4096), C.decode(4, 131072, window=4096), C.decode(4, 131072, window=8192)]
     out += [C.decode(64, 4096, sinks=True), C.decode(64, 4096, window=128, sinks=True)]
     out += [C.ragged_decode(_ragged(1, 64, 1, 8192), "U[1,8192]"), C.ragged_decode(_ragged(2, 256, 1, 4096), "U[1,4096]")]
@@ -145,11 +155,12 @@ def mla_cases(size: str) -> list:
 
 def subbyte_cases(size: str) -> list:
     if size == "smoke":
-        return [C.decode(2, 24, block_size=4, cache=k, suite="subbyte", **SMOKE) for k in ("int4", "float4e2m1")]
+        return [C.prefill(2, 12, block_size=4, cache="int4", suite="subbyte", **SMOKE),
+                C.chunked(2, 20, 4, block_size=4, cache="float4e2m1", suite="subbyte", **SMOKE)]
     if size == "quick":
-        return [C.decode(64, 4096, cache="int4", suite="subbyte")]
-    return [C.decode(64, 4096, cache=k, suite="subbyte") for k in ("int4", "float4e2m1")] + [
-        C.decode(16, 32768, cache="int4", suite="subbyte")]
+        return [C.prefill(4, 2048, cache="int4", suite="subbyte")]
+    return [C.prefill(4, 2048, cache=k, suite="subbyte") for k in PACKED_CACHES] + [
+        C.chunked(4, 8192, 1024, cache=k, suite="subbyte") for k in PACKED_CACHES]
 
 
 _BUILDERS = {"decode": decode_cases, "prefill": prefill_cases, "chunked": chunked_cases, "mixed": mixed_cases,

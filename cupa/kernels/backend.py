@@ -20,6 +20,7 @@ FEATURES = {
     "bias": ("attention_bias", "general"),
     "output_qk": ("output_qk (qk_output != 0)", "general"),
     "return_lse": ("return_lse", None),   # every CUDA backend serves it
+    "subbyte": ("packed 4-bit caches (k/v_cache_dtype 'int4', 'float4e2m1')", ("decode", "prefill")),
 }
 
 
@@ -49,6 +50,8 @@ def features_of(problem: Problem) -> list:
         used.append("output_qk")
     if problem.attrs.return_lse:
         used.append("return_lse")
+    if problem.sub_byte:
+        used.append("subbyte")
     return used
 
 
@@ -58,8 +61,28 @@ def feature_reasons(problem: Problem, serves: frozenset) -> list:
     for feature in features_of(problem):
         if feature not in serves:
             what, where = FEATURES[feature]
-            reasons.append(f"{what} is not served here" + (f" (the {where} backend serves it)" if where else ""))
+            if isinstance(where, tuple):
+                where = f"{' and '.join(where)} backends serve"
+            elif where:
+                where = f"{where} backend serves"
+            reasons.append(f"{what} is not served here" + (f" (the {where} it)" if where else ""))
     return reasons
+
+
+def unverified_features(problem: Problem, backend) -> list:
+    """The features ``problem`` uses that ``backend`` serves but has not yet had verified on a GPU
+    (``CudaBackend.unverified``)."""
+    return [f for f in features_of(problem) if f in backend.unverified]
+
+
+def packed_cache_reasons(problem: Problem) -> list:
+    """Why the kernels reading packed 4-bit caches decline ``problem``: one cache 4-bit and the other not
+    (their K and V tiles share one row width)."""
+    if problem.sub_byte and not problem.packed:
+        a = problem.attrs
+        return [f"k_cache_dtype={a.k_cache_dtype!r} with v_cache_dtype={a.v_cache_dtype!r}: the kernels read K and V "
+                "rows of one width (two 4-bit kinds, or two 8-bit ones); the NumPy reference serves this pair"]
+    return []
 
 
 class CudaBackend:
@@ -74,11 +97,16 @@ class CudaBackend:
         by ``Options(backend="auto")``; ``Options(backend=name)`` runs it.
     serves : frozenset
         The :data:`FEATURES` it serves.
+    unverified : frozenset
+        The features of ``serves`` whose kernels have not yet passed their GPU tests on a device: a call
+        using one is never given to this backend by ``Options(backend="auto")`` (explain() says "not yet
+        verified on a GPU"); ``Options(backend=name)`` runs it.
     """
 
     name = ""
     verified = True
     serves = frozenset()
+    unverified = frozenset()
 
     def not_supported_reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         return feature_reasons(problem, self.serves) + self.reasons(problem, device, options)

@@ -17,7 +17,7 @@ from ..contract import Problem
 from ..device import DeviceInfo
 from ..options import Options
 from . import launch, registry, types
-from .backend import CudaBackend, ctas_per_sm, shared_reason
+from .backend import CudaBackend, ctas_per_sm, packed_cache_reasons, shared_reason
 from .launch import POINTER
 from .prologue import POINTER_INPUTS, prologue_launcher, q_passthrough
 from .types import f32, i32
@@ -41,11 +41,11 @@ def uses_mma(problem: Problem) -> bool:
     return problem.dtype in ("float16", "bfloat16") and problem.head_size in MMA_HEAD_SIZES and rows < MMA_MAX_ROWS
 
 
-KEYS_AS_M_HEADS = 8  # query heads per CTA of the 8-bit keys-as-M loop (one n-tile)
+KEYS_AS_M_HEADS = 8  # query heads per CTA of the quantized caches' keys-as-M loop (one n-tile)
 
 
 def uses_keys_as_m(problem: Problem, options: Options) -> bool:
-    """The 8-bit tensor-core loop with keys as the MMA's M dimension: GQA groups of at most 8 heads."""
+    """The quantized caches' tensor-core loop with keys as the MMA's M dimension: GQA groups of at most 8 heads."""
     return (options._tuning.decode_keys_as_m and uses_mma(problem) and problem.quantized
             and problem.group_size <= KEYS_AS_M_HEADS)
 
@@ -56,29 +56,33 @@ def heads_per_cta(problem: Problem, options: Options) -> int:
     return types.head_chunk(problem.group_size)
 
 
-def mma_shared_bytes(head_size: int, quantized: bool, stages: int) -> int:
+def mma_shared_bytes(head_size: int, quantized: bool, stages: int, packed: bool = False) -> int:
     """Dynamic shared memory of paged_decode_mma (mirrors MmaDecodeSmem in decode_mma.cu; the kernel has
     no static shared memory): Q, then ``stages`` K/V tiles of 64 keys and the row indices of stages + 1
-    tiles; after the key loop, the warps' m and l and their o rows (padded to D + 4 floats)."""
+    tiles; after the key loop, the warps' m and l and their o rows (padded to D + 4 floats). ``packed``:
+    packed 4-bit caches (rows of D / 2 bytes)."""
     D = head_size
     q_bytes = MMA_ROWS * D * 2
-    loop = q_bytes + stages * 2 * MMA_KEY_TILE * D * (1 if quantized else 2) + (stages + 1) * MMA_KEY_TILE * 4
+    row_bytes = D // 2 if packed else D * (1 if quantized else 2)
+    loop = q_bytes + stages * 2 * MMA_KEY_TILE * row_bytes + (stages + 1) * MMA_KEY_TILE * 4
     combine = 2 * MMA_WARPS * MMA_ROWS * 4 + MMA_WARPS * MMA_ROWS * (D + 4) * 4
     return max(loop, q_bytes + combine)
 
 
-def mma_stages(head_size: int, quantized: bool, device: DeviceInfo, ctas_target: int) -> Optional[int]:
+def mma_stages(head_size: int, quantized: bool, device: DeviceInfo, ctas_target: int,
+               packed: bool = False) -> Optional[int]:
     """The pipeline depth of paged_decode_mma on ``device``: the deepest of :data:`MMA_STAGES` that fits a
     CTA and keeps ``ctas_target`` CTAs per SM (the split plan's aim, ``Options._tuning.decode_ctas_per_sm``),
     else the one of them that fits the most CTAs per SM; None when none fits a CTA (the backend declines)."""
     D = head_size
-    fits = [s for s in MMA_STAGES if mma_shared_bytes(D, quantized, s) <= device.shared_per_block_optin]
+    need = {s: mma_shared_bytes(D, quantized, s, packed) for s in MMA_STAGES}
+    fits = [s for s in MMA_STAGES if need[s] <= device.shared_per_block_optin]
     if not fits:
         return None
     for s in fits:
-        if ctas_per_sm(mma_shared_bytes(D, quantized, s), device) >= ctas_target:
+        if ctas_per_sm(need[s], device) >= ctas_target:
             return s
-    return max(fits, key=lambda s: (ctas_per_sm(mma_shared_bytes(D, quantized, s), device), s))
+    return max(fits, key=lambda s: (ctas_per_sm(need[s], device), s))
 
 
 def split_plan(problem: Problem, sm_count: int, options: Options) -> tuple:
@@ -97,14 +101,15 @@ def split_plan(problem: Problem, sm_count: int, options: Options) -> tuple:
 
 class DecodeBackend(CudaBackend):
     name = "decode"
-    serves = frozenset({"return_lse"})
+    serves = frozenset({"return_lse", "subbyte"})
+    unverified = frozenset({"subbyte"})   # until tests/test_subbyte_gpu.py passes on a device
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
-        reasons = []
+        reasons = packed_cache_reasons(problem)
         if problem.head_size > 256:
             reasons.append(f"head_size {problem.head_size} > 256")
         elif uses_mma(problem) and self._stages(problem, device, options) is None:
-            need = mma_shared_bytes(problem.head_size, problem.quantized, MMA_STAGES[-1])
+            need = mma_shared_bytes(problem.head_size, problem.quantized, MMA_STAGES[-1], problem.packed)
             reasons.append(shared_reason("paged_decode_mma", need, device))
         return reasons
 
@@ -125,21 +130,29 @@ class DecodeBackend(CudaBackend):
 
     @staticmethod
     def _stages(p: Problem, device: DeviceInfo, options: Options) -> Optional[int]:
-        return mma_stages(p.head_size, p.quantized, device, options._tuning.decode_ctas_per_sm)
+        return mma_stages(p.head_size, p.quantized, device, options._tuning.decode_ctas_per_sm, p.packed)
+
+    def _spec(self, p: Problem, device: DeviceInfo, options: Options):
+        """The attention kernel of a call: paged_decode_mma (tensor cores) or paged_decode."""
+        if uses_mma(p):
+            return registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size, self._stages(p, device, options),
+                                            keys_as_m=uses_keys_as_m(p, options), v_cache_kind=p.v_cache_kind)
+        return registry.decode_spec(p.dtype, p.cache_kind, heads_per_cta(p, options), p.v_cache_kind)
 
     def specializations(self) -> list:
         specs = []
         for dtype in types.ACT_CXX:
-            for kind in types.CACHE_CXX:
-                specs.append(registry.prologue_spec(dtype, kind))
-                specs.extend(registry.decode_spec(dtype, kind, heads) for heads in types.HEAD_CHUNKS)
+            for kind, v_kind in types.KV_KINDS:
+                specs.append(registry.prologue_spec(dtype, kind, v_cache_kind=v_kind))
+                specs.extend(registry.decode_spec(dtype, kind, heads, v_kind) for heads in types.HEAD_CHUNKS)
         for dtype in ("float16", "bfloat16"):
-            for kind in types.CACHE_CXX:
+            for kind, v_kind in types.KV_KINDS:
                 for stages in MMA_STAGES:
-                    specs.extend(registry.decode_mma_spec(dtype, kind, d, stages) for d in MMA_HEAD_SIZES)
+                    specs.extend(registry.decode_mma_spec(dtype, kind, d, stages, v_cache_kind=v_kind)
+                                 for d in MMA_HEAD_SIZES)
                     if kind != "T":
-                        specs.extend(registry.decode_mma_spec(dtype, kind, d, stages, keys_as_m=True)
-                                     for d in MMA_HEAD_SIZES)
+                        specs.extend(registry.decode_mma_spec(dtype, kind, d, stages, keys_as_m=True,
+                                                              v_cache_kind=v_kind) for d in MMA_HEAD_SIZES)
         return specs
 
     def run(self, plan, inputs: dict, out=None, stream=None):
@@ -192,16 +205,12 @@ class DecodeBackend(CudaBackend):
             i32(a.local_window_size), i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]),
             i32(types.QUANT_CODE[p.v_quant]), i32(passthrough))
         grid = (p.token_count, p.kv_num_heads * head_chunks, num_splits)
+        kernel = jit.get_kernel(self._spec(p, device, options))
         if uses_mma(p):
-            stages = self._stages(p, device, options)
-            spec = registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size, stages,
-                                            keys_as_m=uses_keys_as_m(p, options))
-            kernel = jit.get_kernel(spec)
-            shared = mma_shared_bytes(p.head_size, p.quantized, stages)
+            shared = mma_shared_bytes(p.head_size, p.quantized, self._stages(p, device, options), p.packed)
             launch.ensure_shared_memory(kernel, shared)
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + tail, shared_mem=shared)
         else:
-            kernel = jit.get_kernel(registry.decode_spec(p.dtype, p.cache_kind, heads))
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + (i32(p.head_size),) + tail)
         r.split = num_splits > 1
         decode_pointers = ((_I["query"],) + _DECODE_POINTERS[1:]) if passthrough else _DECODE_POINTERS

@@ -1,7 +1,7 @@
 """The general CUDA backend: attention_bias, output_qk and lse for the calls the fused backends decline.
 
-It serves every call (every layout, cache type, head size up to :data:`MAX_HEAD_SIZE`, mask rule,
-head_sink, softcap, split) and sits last in :data:`cupa.dispatch.CUDA_BACKENDS`: it prefers only the
+It serves every call (every layout, cache type but the packed 4-bit ones, head size up to
+:data:`MAX_HEAD_SIZE`, mask rule, head_sink, softcap, split) and sits last in :data:`cupa.dispatch.CUDA_BACKENDS`: it prefers only the
 calls that use a feature :data:`cupa.kernels.backend.FEATURES` names it the server of, so it wins only
 where nothing else serves the call. Three launches, after the fused prologue (the cache write and
 the Q workspace, :mod:`cupa.kernels.prologue`):
@@ -167,7 +167,7 @@ class GeneralBackend(CudaBackend):
 
     name = "general"
     verified = True   # tests/test_general_gpu.py, tests/test_isolation_gpu.py, python -m tests.fuzz on an H200
-    serves = frozenset(FEATURES)
+    serves = frozenset(FEATURES) - {"subbyte"}   # its kernels read caches of whole-byte codes
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         p, reasons = problem, []
@@ -215,7 +215,7 @@ class GeneralBackend(CudaBackend):
     def specializations(self) -> list:
         specs = []
         for dtype in types.ACT_CXX:
-            for kind in types.CACHE_CXX:
+            for kind in types.BYTE_KINDS:
                 specs.append(registry.prologue_spec(dtype, kind))
                 for cpl, chunks in SIMT_SHAPES.items():
                     specs.extend(registry.general_simt_spec(dtype, kind, gt, cpl) for gt in chunks)

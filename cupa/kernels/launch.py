@@ -155,8 +155,8 @@ class Call:
                     raise fail(_TENSORS[i], f"a device pointer at {ptrs[i]:#x}", "16-byte alignment (vector loads)")
         nbytes = problem.input_nbytes
         if not problem.latent:
-            n, k, v = nbytes["key_cache"], ptrs[3], ptrs[4]
-            if n and k < v + n and v < k + n:
+            n, nv, k, v = nbytes["key_cache"], nbytes["value_cache"], ptrs[3], ptrs[4]
+            if n and nv and k < v + nv and v < k + n:
                 arrays.check_disjoint(nbytes, lambda name: ptrs[PTR_INDEX[name]],
                                       interleaved_block_bytes=problem.cache_block_bytes
                                       if options is not None and options.kv_pages_interleaved else 0)

@@ -24,7 +24,7 @@ from ..device import DeviceInfo
 from ..errors import fail
 from ..options import Options
 from . import launch, registry, types
-from .backend import CudaBackend, ctas_per_sm, shared_reason
+from .backend import CudaBackend, ctas_per_sm, packed_cache_reasons, shared_reason
 from .launch import POINTER
 from .prologue import POINTER_INPUTS, prologue_launcher, q_passthrough
 from .types import f32, i32
@@ -40,12 +40,13 @@ TILES = {64: ((128, 64),), 128: ((128, 64), (128, 32)), 256: ((128, 32), (64, 32
 MAX_GRID_X = (1 << 31) - 1
 
 
-def shared_bytes(head_size: int, quantized: bool, tile: tuple) -> int:
-    """Dynamic shared memory of paged_prefill with ``tile`` (mirrors PrefillSmem in prefill.cu)."""
+def shared_bytes(head_size: int, quantized: bool, tile: tuple, packed: bool = False) -> int:
+    """Dynamic shared memory of paged_prefill with ``tile`` (mirrors PrefillSmem in prefill.cu); ``packed``:
+    packed 4-bit caches (K and V tiles of rows of D / 2 bytes, widened to T like the 8-bit ones)."""
     D, (rows, keys) = head_size, tile
     stages = TILE_CONFIG[(D, rows, keys)][2]
     q_bytes = rows * D * 2
-    stage = 2 * keys * D * (1 if quantized else 2)
+    stage = 2 * keys * (D // 2 if packed else D * (1 if quantized else 2))
     wide = 2 * keys * D * 2 if quantized else 0
     row_offsets = (stages + 1) * keys * 8  # byte offsets of the rows of a tile, one tile ahead
     sizes = (stages + 1) * keys * 4  # their copy sizes (16, or 0 for masked keys)
@@ -63,12 +64,12 @@ def static_shared_bound(head_size: int, tile: tuple) -> int:
     return 16 * rows + 160 * warps + 64
 
 
-def tile_for(head_size: int, quantized: bool, device: DeviceInfo) -> Optional[tuple]:
+def tile_for(head_size: int, quantized: bool, device: DeviceInfo, packed: bool = False) -> Optional[tuple]:
     """The (rows, keys) tile of paged_prefill on ``device``: the first of :data:`TILES` that fits a CTA
     (static plus dynamic shared memory) with the CTAs per SM its registers are sized for, else the first
     that fits a CTA; None when none fits (the backend declines)."""
     tiles = TILES.get(head_size, ())
-    need = {t: shared_bytes(head_size, quantized, t) + static_shared_bound(head_size, t) for t in tiles}
+    need = {t: shared_bytes(head_size, quantized, t, packed) + static_shared_bound(head_size, t) for t in tiles}
     fits = [t for t in tiles if need[t] <= device.shared_per_block_optin]
     for t in fits:
         if ctas_per_sm(need[t], device) >= TILE_CONFIG[(head_size,) + t][3]:
@@ -130,17 +131,18 @@ def prologue_phrase(problem: Problem, device: DeviceInfo, options: Options) -> s
 
 class PrefillBackend(CudaBackend):
     name = "prefill"
-    serves = frozenset({"return_lse"})
+    serves = frozenset({"return_lse", "subbyte"})
+    unverified = frozenset({"subbyte"})   # until tests/test_subbyte_gpu.py passes on a device
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
-        p, reasons = problem, []
+        p, reasons = problem, packed_cache_reasons(problem)
         if p.dtype not in PREFILL_DTYPES:
             reasons.append(f"T={p.dtype}: the tensor-core prefill takes float16 or bfloat16")
         if p.head_size not in PREFILL_HEAD_SIZES:
             reasons.append(f"head_size {p.head_size} not in {PREFILL_HEAD_SIZES}")
-        elif (tile := tile_for(p.head_size, p.quantized, device)) is None:
+        elif (tile := tile_for(p.head_size, p.quantized, device, p.packed)) is None:
             t = TILES[p.head_size][-1]
-            need = shared_bytes(p.head_size, p.quantized, t) + static_shared_bound(p.head_size, t)
+            need = shared_bytes(p.head_size, p.quantized, t, p.packed) + static_shared_bound(p.head_size, t)
             reasons.append(shared_reason("paged_prefill", need, device))
         elif not reasons and launch_plan(p, tile)["grid"] > MAX_GRID_X:
             reasons.append(f"{launch_plan(p, tile)['grid']} CTAs exceed one launch's grid ({MAX_GRID_X})")
@@ -154,8 +156,10 @@ class PrefillBackend(CudaBackend):
         specs = []
         for dtype in PREFILL_DTYPES:
             specs.append(registry.prologue_spec(dtype, "T", token_loop=True))
-            for kind in types.CACHE_CXX:
-                specs.extend(registry.prefill_spec(dtype, kind, d, tile) for d in PREFILL_HEAD_SIZES for tile in TILES[d])
+            for kind, v_kind in types.KV_KINDS:
+                specs.append(registry.prologue_spec(dtype, kind, v_cache_kind=v_kind))
+                specs.extend(registry.prefill_spec(dtype, kind, d, tile, v_kind)
+                             for d in PREFILL_HEAD_SIZES for tile in TILES[d])
         return specs
 
     def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
@@ -189,13 +193,15 @@ class PrefillBackend(CudaBackend):
 
     # The kernel, launch plan and shared memory of a call on a device: the wgmma backend swaps these.
     def _spec(self, p: Problem, device: DeviceInfo):
-        return registry.prefill_spec(p.dtype, p.cache_kind, p.head_size, tile_for(p.head_size, p.quantized, device))
+        return registry.prefill_spec(p.dtype, p.cache_kind, p.head_size,
+                                     tile_for(p.head_size, p.quantized, device, p.packed), p.v_cache_kind)
 
     def _plan(self, p: Problem, device: DeviceInfo, options: Options) -> dict:
-        return launch_plan(p, tile_for(p.head_size, p.quantized, device))
+        return launch_plan(p, tile_for(p.head_size, p.quantized, device, p.packed))
 
     def _shared_bytes(self, p: Problem, device: DeviceInfo) -> int:
-        return shared_bytes(p.head_size, p.quantized, tile_for(p.head_size, p.quantized, device))
+        tile = tile_for(p.head_size, p.quantized, device, p.packed)
+        return shared_bytes(p.head_size, p.quantized, tile, p.packed)
 
     def _tail_args(self, p: Problem, options: Options) -> tuple:
         """Arguments the attention kernel takes after the common list (none here)."""

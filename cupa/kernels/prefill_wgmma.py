@@ -100,6 +100,8 @@ class PrefillWgmmaBackend(PrefillBackend):
     """The mma.sync prefill's run() (prologue, workspace, zero-token shortcut) with the wgmma kernel."""
 
     name = "prefill_wgmma"
+    serves = frozenset({"return_lse"})   # not the packed 4-bit caches PrefillBackend reads
+    unverified = frozenset()
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         p, reasons = problem, []

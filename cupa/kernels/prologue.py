@@ -49,7 +49,8 @@ def prologue_launcher(problem: Problem, device: DeviceInfo, options: Options, co
     instead of waiting for the prologue's CTAs to drain; each warp copies every 16th token of its
     CTA's consecutive tokens. The same writes either way."""
     p, a = problem, problem.attrs
-    kernel = jit.get_kernel(registry.prologue_spec(p.dtype, p.cache_kind, token_loop=beside))
+    kernel = jit.get_kernel(registry.prologue_spec(p.dtype, p.cache_kind, token_loop=beside,
+                                                   v_cache_kind=p.v_cache_kind))
     if beside:
         threads, groups = BESIDE_THREADS, 1
         sms = options._tuning.prologue_beside_sms

@@ -17,30 +17,35 @@ from ..jit import Specialization
 from . import types
 
 
-def prologue_spec(dtype: str, cache_kind: str, token_loop: bool = False) -> Specialization:
+def prologue_spec(dtype: str, cache_kind: str, token_loop: bool = False, v_cache_kind: str = None) -> Specialization:
     """The fused prologue; ``token_loop``: the 512-thread variant that runs beside the prefill kernel
-    (prologue.py beside_launcher), each warp copying several tokens' plain K/V rows."""
-    args = f"{types.act(dtype)}, {types.cache(cache_kind, dtype)}" + (", true" if token_loop else "")
-    return Specialization("prologue", f"paged_prologue<{args}>")
+    (prologue.py beside_launcher), each warp copying several tokens' plain K/V rows; ``v_cache_kind``:
+    value_cache's kind where it differs from key_cache's (two packed 4-bit kinds)."""
+    v = types.v_cache_arg(cache_kind, v_cache_kind, dtype)
+    args = f"{types.act(dtype)}, {types.cache(cache_kind, dtype)}" + (", true" if token_loop else (", false" if v else ""))
+    return Specialization("prologue", f"paged_prologue<{args}{v}>")
 
 
-def decode_spec(dtype: str, cache_kind: str, head_chunk: int) -> Specialization:
-    return Specialization("decode", f"paged_decode<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_chunk}>")
+def decode_spec(dtype: str, cache_kind: str, head_chunk: int, v_cache_kind: str = None) -> Specialization:
+    return Specialization("decode", f"paged_decode<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_chunk}"
+                                    f"{types.v_cache_arg(cache_kind, v_cache_kind, dtype)}>")
 
 
-def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, stages: int, keys_as_m: bool = False) -> Specialization:
-    """``stages``: the K/V pipeline depth (STAGES in decode_mma.cu); ``keys_as_m``: the 8-bit caches' loop with
+def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, stages: int, keys_as_m: bool = False,
+                    v_cache_kind: str = None) -> Specialization:
+    """``stages``: the K/V pipeline depth (STAGES in decode_mma.cu); ``keys_as_m``: the quantized caches' loop with
     keys as the MMA's M dimension (GQA groups of <= 8 heads)."""
     return Specialization(
         "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, "
-                      f"{stages}, {'true' if keys_as_m else 'false'}>")
+                      f"{stages}, {'true' if keys_as_m else 'false'}{types.v_cache_arg(cache_kind, v_cache_kind, dtype)}>")
 
 
-def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple) -> Specialization:
+def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple, v_cache_kind: str = None) -> Specialization:
     """``tile``: (query rows, keys) of a CTA's tile (PrefillConfig in prefill.cu)."""
     rows, keys = tile
     return Specialization(
-        "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, {rows}, {keys}>")
+        "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, {rows}, {keys}"
+                   f"{types.v_cache_arg(cache_kind, v_cache_kind, dtype)}>")
 
 
 def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:

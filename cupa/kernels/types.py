@@ -7,7 +7,15 @@ import numpy as np
 #: T (activation) dtype name -> C++ type
 ACT_CXX = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 #: cache kind -> C++ cache trait (``{T}`` is replaced by T's C++ type)
-CACHE_CXX = {"T": "CacheSame<{T}>", "int8": "CacheInt8", "fp8": "CacheFp8"}
+CACHE_CXX = {"T": "CacheSame<{T}>", "int8": "CacheInt8", "fp8": "CacheFp8", "int4": "CacheInt4", "fp4": "CacheFp4"}
+#: the cache kinds every kernel reads, and the packed 4-bit ones only some do (their own V trait beside K's)
+BYTE_KINDS = ("T", "int8", "fp8")
+PACKED_KINDS = ("int4", "fp4")
+#: (K kind, V kind) pairs of the packed 4-bit caches the kernels read
+PACKED_PAIRS = tuple((k, v) for k in PACKED_KINDS for v in PACKED_KINDS)
+#: (K kind, V kind) of every cache pair the decode and prefill kernels read: one kind for both, or two
+#: packed 4-bit kinds
+KV_KINDS = tuple((k, k) for k in BYTE_KINDS) + PACKED_PAIRS
 QUANT_CODE = {"NONE": 0, "PER_TENSOR": 1, "PER_CHANNEL": 2}
 #: query heads one decode CTA holds in registers
 HEAD_CHUNKS = (1, 2, 4, 8)
@@ -21,6 +29,11 @@ def act(dtype: str) -> str:
 
 def cache(kind: str, dtype: str) -> str:
     return CACHE_CXX[kind].format(T=ACT_CXX[dtype])
+
+
+def v_cache_arg(kind: str, v_kind: str, dtype: str) -> str:
+    """The trailing V-trait template argument of a kernel reading K and V of different kinds ("" if the same)."""
+    return "" if v_kind in (None, kind) else f", {cache(v_kind, dtype)}"
 
 
 def head_chunk(group_size: int) -> int:

@@ -1,9 +1,10 @@
 """The paged KV cache of a whole model: cache tensors per layer group slot, scales per layer.
 
-:data:`CACHE_DTYPES` is the one table of cache element types: adding a cache type (a packed
-sub-byte format when a backend decodes one) is one :class:`CacheDType` entry, for example::
+:data:`CACHE_DTYPES` is the one table of cache element types: adding a cache type is one
+:class:`CacheDType` entry, as the packed 4-bit ones are::
 
-    "int4": CacheDType("int4", storage="uint8", quantized=True, elements_per_item=2, attribute="int4")
+    "int4": CacheDType("int4", storage="uint8", quantized=True, elements_per_item=2, attribute="int4",
+                       zero_byte=0x88)
 
 Every other size (bytes per block, the last dimension of the arrays, the op attributes) is derived
 from the entry.
@@ -43,6 +44,9 @@ class CacheDType:
     bytes_attribute : str
         The attribute to pass when the array library lacks ``storage`` and the cache is held as
         ``uint8`` bytes instead (float8 on CuPy); "" when that is not allowed.
+    zero_byte : int
+        The storage value new caches are filled with: the code of 0.0 in every element (0, except
+        int4's two codes q + 8 = 8 a byte, 0x88), so a row never written reads as zeros.
     """
 
     name: str
@@ -51,6 +55,7 @@ class CacheDType:
     elements_per_item: int = 1
     attribute: str = ""
     bytes_attribute: str = ""
+    zero_byte: int = 0
 
 
 CACHE_DTYPES = {
@@ -59,8 +64,11 @@ CACHE_DTYPES = {
     "float32": CacheDType("float32", "float32", quantized=False),
     "int8": CacheDType("int8", "int8", quantized=True),
     "float8e4m3fn": CacheDType("float8e4m3fn", "float8_e4m3fn", quantized=True, bytes_attribute="float8e4m3fn"),
+    # packed two codes a byte (contract §1): element 2i in the low nibble; int4 stored as q + 8
+    "int4": CacheDType("int4", "uint8", quantized=True, elements_per_item=2, attribute="int4", zero_byte=0x88),
+    "float4e2m1": CacheDType("float4e2m1", "uint8", quantized=True, elements_per_item=2, attribute="float4e2m1"),
 }
-_ALIASES = {"float8_e4m3fn": "float8e4m3fn"}
+_ALIASES = {"float8_e4m3fn": "float8e4m3fn", "float4_e2m1fn": "float4e2m1"}
 
 
 def _dtype_name(x) -> str:
@@ -170,8 +178,10 @@ class KVCache:
 
         self.num_blocks = self._block_count(num_blocks, memory_bytes, memory_fraction)
         shape = (self.num_blocks, self.block_size) + self.row_shape
-        self.key_caches = [self.lib.zeros(shape, storage) for _ in range(self.num_tensors)]
-        self.value_caches = [None if self.latent else self.lib.zeros(shape, storage) for _ in range(self.num_tensors)]
+        fill = self.cache_dtype.zero_byte
+        new = (lambda: self.lib.full(shape, fill, storage)) if fill else (lambda: self.lib.zeros(shape, storage))
+        self.key_caches = [new() for _ in range(self.num_tensors)]
+        self.value_caches = [None if self.latent else new() for _ in range(self.num_tensors)]
         self.k_scales = [self._scale(self.k_quant_type) for _ in range(self.num_layers)]
         self.v_scales = [self._scale(self.v_quant_type) for _ in range(self.num_layers)]
 
