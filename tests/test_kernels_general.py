@@ -40,7 +40,7 @@ def test_general_is_last_and_serves_every_feature():
     assert dispatch.CUDA_BACKENDS[-1] == "general"
     b = dispatch.cuda_backends()[-1]
     assert b is general.BACKEND and b.name == "general"
-    assert not b.verified  # until its GPU tests (tests/test_general_gpu.py) pass on a device
+    assert not b.verified  # until its GPU tests (tests/gpu/test_general.py) pass on a device
     assert b.serves == frozenset(kbackend.FEATURES) == {"latent", "bias", "output_qk", "return_lse"}
     assert "general" in cupa.options.BACKEND_NAMES
 

@@ -5,7 +5,7 @@ have passed on a device) and runs twice on compute capability 9.0: the wgmma ker
 mma.sync kernel (``_tuning.mla_wgmma=False``). Fresh random data every run; outputs poisoned with NaN,
 every element and every cache byte checked; lse against the reference where asked.
 
-    PYTHONPATH=$PWD python -m pytest -q -s tests/test_mla_gpu.py
+    PYTHONPATH=$PWD python -m pytest -q -s tests/gpu/test_mla.py
 """
 
 import math

@@ -5,7 +5,7 @@ Every run draws fresh random data, poisons the output with NaN and checks every 
 cache byte (tests/util.py). Each case asserts first that dispatch picks the prefill backend.
 On compute capability 9.0 the wgmma prefill serves most of these calls by default; every test here
 runs with cupa.Options(backend="prefill") so that the mma.sync kernel stays checked on the device we
-have (tests/test_prefill_wgmma_gpu.py checks the wgmma kernel).
+have (tests/gpu/test_prefill_wgmma.py checks the wgmma kernel).
 """
 
 import numpy as np

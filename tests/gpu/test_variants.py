@@ -17,7 +17,7 @@ from cupa import api, dispatch
 from cupa.device import describe_capability
 from cupa.kernels import decode, prefill
 from tests import util
-from tests import test_nonfinite_gpu as nonfinite
+from tests.gpu import test_nonfinite as nonfinite
 
 pytestmark = pytest.mark.gpu
 
