@@ -84,10 +84,6 @@ class Case:
         kw.update(extra)
         return cupa.paged_attention(**kw)
 
-    def converted(self, fn) -> dict:
-        """``inputs`` with ``fn`` applied to every array (e.g. ``cupy.asarray``); metadata stays on the host."""
-        return {n: (v if v is None or n == "attention_metadata" else fn(v)) for n, v in self.inputs.items()}
-
 
 def random_lengths(rng, batch, max_q=6, max_past=40, zero_q=0.25):
     """Ragged (q_lens, past) with some zero-token sequences."""
@@ -172,7 +168,8 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
     k_quant, v_quant : "PER_TENSOR" or "PER_CHANNEL" (quantized caches only).
     packed : packed QKV in ``query``.
     rotary : None, "half" or "interleaved"; rotary_dim (default head_size - rotary_offset); rotary_offset;
-        max_position (cos/sin rows; default the largest position + 6); rope_base (default 100 or 10000 at random).
+        max_position (cos/sin rows; default max(kv_len, largest position + 1) + 5); rope_base (default
+        100 or 10000 at random).
     positions : None (default positions), "explicit" (query_positions equal to the default),
         "random" (random positions in [0, kv_len_b)), or an int array of length N.
     qk_norm, window, softcap, sink, is_causal, scale, qk_output, return_lse : the features of contract §3.
