@@ -156,8 +156,9 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
               packed=False, rotary=None, rotary_dim=None, rotary_offset=0, max_position=None, rope_base=None,
               positions=None, qk_norm=False, window=-1, softcap=0.0, sink=False, is_causal=1,
               scale=0.0, bias=None, bias_pad=(0, 0), bias_neg_inf=0.0, qk_output=0, return_lse=False,
-              slot_mapping=None, metadata=None, shuffle=True, extra_blocks=3, extra_cols=1, max_blocks=None,
-              unused_cols="garbage", block_table=None, latent=False, v_head_size=0, value_scale=1.0):
+              slot_mapping=None, max_blocks=None, block_table=None,
+              metadata=None, shuffle=True, extra_blocks=3, extra_cols=1, unused_cols="garbage",
+              latent=False, v_head_size=0, value_scale=1.0):
     """Build a random paged call.
 
     Parameters (all keyword)
