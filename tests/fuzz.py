@@ -25,7 +25,7 @@ import numpy as np
 
 import cupa
 from cupa import dispatch
-from tests import gpu_cases as gc
+from tests import util
 
 HEAD_SIZES = (8, 16, 32, 40, 64, 64, 96, 128, 128, 128, 256)
 BLOCK_SIZES = (1, 3, 8, 16, 16, 16, 17, 32, 64, 256)
@@ -65,13 +65,13 @@ def draw(seed: int) -> tuple:
         offsets = [o for o in range(0, D - rotary_dim + 1, 8)]
         kw.update(rotary=True, interleaved=bool(rng.random() < 0.5), rotary_dim=rotary_dim,
                   rotary_offset=pick(offsets))
-    inputs, attrs = gc.build(rng, **kw)
+    inputs, attrs = util.build(rng, **kw)
     if kw["block_table"] == "shared" and _colliding_writes(inputs, block_size):
         # two tokens writing one slot have no specified winner (contract §4.4): share only read-only blocks
-        inputs, attrs = gc.build(rng, **dict(kw, block_table="shuffled"))
+        inputs, attrs = util.build(rng, **dict(kw, block_table="shuffled"))
     notes = [shape]
     if rng.random() < 0.15:                                     # explicit slots, some skipped or out of range
-        slots = np.asarray(gc.derived_slots(inputs, block_size), dtype=np.int32)
+        slots = np.asarray(util.derived_slots(inputs, block_size), dtype=np.int32)
         n = len(slots)
         if n:
             bad = rng.random(n)
@@ -154,7 +154,7 @@ def write_slots(inputs, attrs) -> np.ndarray:
 
 def _colliding_writes(inputs, block_size) -> bool:
     """Whether two tokens of the call would write one cache slot (derived slots)."""
-    slots = np.asarray(gc.derived_slots(inputs, block_size))
+    slots = np.asarray(util.derived_slots(inputs, block_size))
     slots = slots[slots >= 0]
     return len(np.unique(slots)) != len(slots)
 
@@ -166,7 +166,7 @@ def backends_for(inputs, attrs, metadata) -> list:
     from cupa.device import device_info
 
     op = cupa.PagedAttention(**attrs)
-    dev = gc.to_device(cp, inputs)
+    dev = util.to_device(cp, inputs)
     problem = op._problem(op._bind((), dict(dev, attention_metadata=metadata)))
     device = device_info(cp.cuda.runtime.getDevice())
     options = cupa.Options()
@@ -199,7 +199,7 @@ def check_one(seed: int, only=None, malformed_only: bool = False, skip=()) -> di
     ref = cupa.paged_attention(**ref_in, attention_metadata=metadata, **attrs)
     dtype, cache = desc["dtype"], desc["cache"]
     for name in names:
-        dev = gc.to_device(cp, inputs)
+        dev = util.to_device(cp, inputs)
         N, H = inputs["query"].shape[0], attrs["num_heads"]
         D = desc["D"]
         out = cp.full((N, H * D), np.nan, dtype=dev["query"].dtype)
@@ -211,12 +211,12 @@ def check_one(seed: int, only=None, malformed_only: bool = False, skip=()) -> di
             problems = []
             if np.isnan(host.astype(np.float32)).any():
                 problems.append("unwritten (NaN-poisoned) output elements")
-            err = gc.rel_error(host, ref)
-            if not err < gc.TOLERANCE[dtype]:
-                problems.append(f"relative error {err:.3g} >= {gc.TOLERANCE[dtype]}")
+            err = util.rel_err(host, ref)
+            if not err < util.TOLERANCE[dtype]:
+                problems.append(f"relative error {err:.3g} >= {util.TOLERANCE[dtype]}")
             for which in ("key_cache", "value_cache"):
                 try:
-                    gc.assert_cache_close(cp.asnumpy(dev[which]), ref_in[which], cache, dtype, which)
+                    util.assert_cache_close(cp.asnumpy(dev[which]), ref_in[which], steps=1, what=which, fp32_rows=True)
                 except AssertionError as exc:
                     problems.append(str(exc))
             record["backends"][name] = "ok" if not problems else "; ".join(problems)

@@ -7,8 +7,8 @@ sequence maps within its keys and another maps beyond its kv_len, outside its wi
 bias capacity, or not at all). :func:`poison` writes NaN or Inf (the NaN code for fp8, extreme
 codes for int8, which have no NaN) into chosen rows: cache rows, or the new K/V of the token that
 writes the row in this call. :func:`check_isolated` compares every token that admits no poisoned
-row with the run without the poison, bit for bit (output, output_qk, lse). tests/test_isolation.py
-runs them on the reference, tests/test_isolation_gpu.py on the CUDA backends.
+row with the run without the poison, bit for bit (output, output_qk, lse). tests/test_reference_isolation.py
+runs them on the reference, tests/gpu/test_isolation.py on the CUDA backends.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from cupa import dispatch, jit
 from cupa.device import describe_capability
 from cupa.kernels import prefill, prefill_wgmma, prologue, registry, tma
 from cupa.options import _Tuning
-from tests import gpu_cases as gc
+from tests import util
 
 H200 = describe_capability(9, 0)
 DEFAULT = cupa.Options()
@@ -22,7 +22,7 @@ DEFAULT = cupa.Options()
 def problem_of(rng, metadata=None, **kw):
     args = dict(q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
     args.update(kw)
-    inputs, attrs = gc.build(rng, **args)
+    inputs, attrs = util.build(rng, **args)
     if metadata is not None:
         inputs["attention_metadata"] = np.array(metadata, dtype=np.int32)
     op = cupa.PagedAttention(**attrs)
@@ -87,7 +87,7 @@ def test_float32_and_decode_shaped_calls_go_to_decode(rng):
 
 
 def test_features_no_fused_backend_serves_are_said_once(rng):
-    inputs, _ = gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
+    inputs, _ = util.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
     op = cupa.PagedAttention(num_heads=8, kv_num_heads=2, qk_output=1)
     problem = op._problem(op._bind((), inputs))
     assert dispatch.choose(problem, H200, DEFAULT).name == "general"
@@ -101,7 +101,7 @@ def test_features_no_fused_backend_serves_are_said_once(rng):
 
 def test_every_cuda_backend_serves_return_lse(rng):
     for q_lens, past in (([40, 30], [10, 0]), ([1, 1, 1], [100, 7, 3000])):
-        inputs, _ = gc.build(rng, q_lens=q_lens, past=past, H=8, Hk=2, D=128)
+        inputs, _ = util.build(rng, q_lens=q_lens, past=past, H=8, Hk=2, D=128)
         with_lse = cupa.PagedAttention(num_heads=8, kv_num_heads=2, return_lse=True)
         plain = cupa.PagedAttention(num_heads=8, kv_num_heads=2)
         problem = with_lse._problem(with_lse._bind((), inputs))
@@ -189,7 +189,7 @@ def test_new_keys_from_inputs_only_where_the_prologue_copies_rows_unchanged(rng)
     p = problem_of(rng)
     assert prefill.kv_from_inputs(p, DEFAULT)
     assert "new K/V read from key/value" in prefill.prologue_phrase(p, H200, DEFAULT)
-    slots = gc.derived_slots(gc.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)[0], 16)
+    slots = util.derived_slots(util.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)[0], 16)
     for kw in (dict(packed=True), dict(rotary=True), dict(qk_norm=True), dict(cache="int8"), dict(cache="fp8"),
                dict(slot_mapping=slots), dict(query_positions=True)):
         problem = problem_of(rng, **kw)
@@ -208,7 +208,7 @@ def test_prologue_beside_only_without_a_past_by_the_bounds(rng, monkeypatch):
     monkeypatch.setattr(launch.driver, "launch_kernel_ex", lambda: object())
 
     def problem(q_lens, past, md=None, **kw):
-        inputs, attrs = gc.build(rng, q_lens=q_lens, past=past, H=4, Hk=2, D=64, **kw)
+        inputs, attrs = util.build(rng, q_lens=q_lens, past=past, H=4, Hk=2, D=64, **kw)
         op = cupa.PagedAttention(**attrs)
         return op._problem(op._bind((), dict(inputs, attention_metadata=md)))
 

@@ -1,6 +1,6 @@
 """cupa.graphs without a GPU: import, clear errors, the keep-alive hook and the jit capture guard.
 
-The device side (capture, replay, error recovery) is tests/test_graphs_gpu.py.
+The device side (capture, replay, error recovery) is tests/gpu/test_graphs.py.
 """
 
 import sys

@@ -860,14 +860,14 @@ def gpu_cp():
 
 def _device_run(cp, inputs, attrs, *, mode, out, md=None, backend="auto", stream=None, **options):
     """One call on fresh device copies on launch route ``mode``; returns (output bytes, key/value cache bytes)."""
-    from tests import gpu_cases as gc
+    from tests import util
 
-    dev = gc.to_device(cp, inputs)
+    dev = util.to_device(cp, inputs)
     o = None
     if out:
         D = dev["key_cache"].shape[-1]
         o = cp.full((dev["query"].shape[0], attrs["num_heads"] * D), np.nan, dtype=dev["query"].dtype)
-    op = cupa.PagedAttention(**gc.with_options(attrs, launch=mode, backend=backend, **options))
+    op = cupa.PagedAttention(**util.with_options(attrs, launch=mode, backend=backend, **options))
     got = op(**dev, attention_metadata=md, out=o, stream=stream)
     if o is not None:
         assert got is o
@@ -880,11 +880,11 @@ def _device_run(cp, inputs, attrs, *, mode, out, md=None, backend="auto", stream
 @pytest.mark.parametrize("out", [False, True])
 @pytest.mark.parametrize("via", ["op", "decode_backend"])
 def test_gpu_fast_route_is_bit_identical_to_rawkernel(gpu_cp, rng, case, out, via):
-    from tests import gpu_cases as gc
+    from tests import util
 
     kw = dict(GPU_CASES[case])
     cache = kw.get("cache", "T")
-    inputs, attrs = gc.build(rng, **kw)
+    inputs, attrs = util.build(rng, **kw)
     md = [1, 4096] if "splits" in case else None
     backend = "decode" if via == "decode_backend" else "auto"
     raw = _device_run(gpu_cp, inputs, attrs, mode="rawkernel", out=out, md=md, backend=backend)
@@ -892,15 +892,15 @@ def test_gpu_fast_route_is_bit_identical_to_rawkernel(gpu_cp, rng, case, out, vi
     for name, a, b in zip(("output", "key_cache", "value_cache"), raw, fast):
         assert a == b, f"{case}: {name} differs between the rawkernel and the fast route"
     if via == "op" and out:   # and both are right (the reference, contract §6 tolerances)
-        gc.check_against_reference(gpu_cp, inputs, attrs, metadata=md, dtype=kw.get("dtype", "float16"), cache=cache)
+        util.check_against_reference(gpu_cp, inputs, attrs, metadata=md, dtype=kw.get("dtype", "float16"), cache=cache)
 
 
 @pytest.mark.gpu
 def test_gpu_fast_route_on_a_side_stream_and_threads(gpu_cp, rng):
-    from tests import gpu_cases as gc
+    from tests import util
 
     cp = gpu_cp
-    inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500])
+    inputs, attrs = util.build(rng, B=4, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500])
     s = cp.cuda.Stream(non_blocking=True)
     raw = _device_run(cp, inputs, attrs, mode="rawkernel", out=True, stream=s)
     fast = _device_run(cp, inputs, attrs, mode="fast", out=True, stream=s)
@@ -925,13 +925,13 @@ def test_gpu_fast_route_on_a_side_stream_and_threads(gpu_cp, rng):
 @pytest.mark.parametrize("mode", ["fast", "rawkernel"])
 def test_gpu_fast_route_captures_and_replays(gpu_cp, rng, mode):
     """Replays of a graph captured on either route give the eager rawkernel bits; the workspace is kept."""
-    from tests import gpu_cases as gc
+    from tests import util
 
     cp = gpu_cp
-    inputs, attrs = gc.build(rng, B=4, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500])
+    inputs, attrs = util.build(rng, B=4, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500])
     eager = _device_run(cp, inputs, attrs, mode="rawkernel", out=True, md=[1, 4096])
-    dev = gc.to_device(cp, inputs)
-    op = cupa.PagedAttention(**gc.with_options(attrs, launch=mode))
+    dev = util.to_device(cp, inputs)
+    op = cupa.PagedAttention(**util.with_options(attrs, launch=mode))
     kc0, vc0 = dev["key_cache"].copy(), dev["value_cache"].copy()
     g = cupa.capture_graph(lambda: op(**dev, attention_metadata=[1, 4096]))
     assert any(isinstance(k, launch.Workspace) for k in g.kept)
@@ -954,14 +954,14 @@ def test_gpu_torch_inputs_both_routes(gpu_cp, rng):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
-    from tests import gpu_cases as gc
+    from tests import util
 
     cp = gpu_cp
-    inputs, attrs = gc.build(rng, B=3, H=8, Hk=2, D=128, past=[100, 2000, 7])
+    inputs, attrs = util.build(rng, B=3, H=8, Hk=2, D=128, past=[100, 2000, 7])
     results = {}
     for mode in ("rawkernel", "fast"):
         t = {k: (torch.from_dlpack(cp.asarray(v)) if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-        got = cupa.PagedAttention(**gc.with_options(attrs, launch=mode))(**t, attention_metadata=[1, 2048])
+        got = cupa.PagedAttention(**util.with_options(attrs, launch=mode))(**t, attention_metadata=[1, 2048])
         torch.cuda.synchronize()
         assert isinstance(got, torch.Tensor)
         results[mode] = (got.view(torch.uint8).cpu().numpy().tobytes(),
@@ -975,7 +975,7 @@ def test_gpu_programmatic_launch_is_on_where_the_device_has_it(gpu_cp, rng):
     GPU tests of the fast route exercise griddepcontrol), and Options(programmatic_launch=False) gives
     the same bits."""
     from cupa.device import device_info
-    from tests import gpu_cases as gc
+    from tests import util
 
     cp = gpu_cp
     dev_id = cp.cuda.runtime.getDevice()
@@ -986,7 +986,7 @@ def test_gpu_programmatic_launch_is_on_where_the_device_has_it(gpu_cp, rng):
         from cupa.kernels import registry
 
         assert launch._compiled_for_pdl(jit.get_kernel(registry.decode_mma_spec("float16", "T", 128, 3)))
-    inputs, attrs = gc.build(rng, B=5, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500, 0], rotary=True)
+    inputs, attrs = util.build(rng, B=5, H=8, Hk=2, D=128, past=[1000, 20, 300, 2500, 0], rotary=True)
     on = _device_run(cp, inputs, attrs, mode="fast", out=True, md=[1, 4096])
     off = _device_run(cp, inputs, attrs, mode="fast", out=True, md=[1, 4096], programmatic_launch=False)
     assert on == off

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cupa
-from tests.util import (REL_TOL, T_DTYPES, assert_lse_close, assert_rel, dense_attention, make_case, rel_err,
+from tests.util import (TOLERANCE, T_DTYPES, assert_lse_close, assert_rel, dense_attention, make_case, rel_err,
                         shard_block_tables)
 
 #: features that compose with key shards (make_case keywords)
@@ -196,7 +196,7 @@ def test_merge_is_associative_without_sink(rng):
     ab = cupa.merge_states(outs[:2], lses[:2])
     nested = cupa.merge_states([ab[0], *outs[2:]], [ab[1], *lses[2:]], head_sink=sink)
     flat = cupa.merge_states(outs, lses, head_sink=sink)
-    assert rel_err(nested[0], flat[0]) < REL_TOL["float32"]
+    assert rel_err(nested[0], flat[0]) < TOLERANCE["float32"]
     assert_lse_close(nested[1], flat[1])
 
 

@@ -1,19 +1,27 @@
-"""Shared test utilities: random paged problems and an independent brute-force dense attention.
+"""The test kit: one random paged-problem builder, an independent dense attention, the comparisons.
 
 * :func:`make_case` builds a random paged PagedAttention call (:class:`Case`): fresh random data
-  from the given ``np.random.Generator`` (never zeros), shuffled block tables, ragged query lengths
-  (zero-token sequences allowed), garbage in every unused cache block, and options for every feature
-  of contract §1-§4. GPU tests convert ``case.inputs`` with :meth:`Case.converted`.
+  from the given ``np.random.Generator`` (never zeros), shuffled block tables (:func:`paged_layout`),
+  ragged query lengths (zero-token sequences allowed), garbage in every unused cache block, and options
+  for every feature of contract §1-§4. :func:`build` and :func:`build_latent` are the GPU suites' view of
+  the same builder: their parameter names and defaults (decode-shaped, spare blocks, -1 in unused
+  block-table entries), NumPy ``(inputs, attrs)`` with the absent inputs left out, the module's
+  :data:`OPTIONS` in attrs. :func:`poison_unused_cache_rows` puts NaN in every cache row no sequence reads.
 * :func:`dense_attention` is a plain per-token float64 implementation of the contract written
   independently of ``cupa/reference.py`` (loops, small sizes only). It returns the expected output,
   output_qk, lse and the caches after the call, and which cache slots each token wrote and admitted.
-* :func:`rel_err`, :func:`assert_rel`, :func:`assert_within_ulp`, :func:`assert_cache_close` compare
-  results with the tolerances of contract §6.
+* :func:`rel_err`, :func:`assert_rel`, :func:`assert_within_ulp`, :func:`assert_cache_close`,
+  :func:`assert_matches_reference` compare results with the tolerances of contract §6
+  (``cupa.contract.TOLERANCE``); :func:`check_against_reference` and
+  :func:`check_outputs_against_reference` run the reference and a CUDA backend (``cp``: CuPy) on the
+  same inputs and compare every output element and cache byte.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -27,8 +35,8 @@ from cupa.contract import INPUT_NAMES
 T_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
             "float32": np.dtype(np.float32)}
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
-#: contract §6: ||out - ref|| / ||ref|| for CUDA backends against the reference
-from cupa.contract import TOLERANCE as REL_TOL  # noqa: E402  (the one tolerance table, contract §6)
+#: contract §6: ||out - ref|| / ||ref|| for CUDA backends against the reference (the one tolerance table)
+from cupa.contract import TOLERANCE  # noqa: E402
 #: mantissa bits and minimum normal exponent of each T (for ulp bounds)
 _MANT = {"float16": (10, -14), "bfloat16": (7, -126), "float32": (23, -126)}
 #: cache kinds accepted by make_case ("int4" / "fp4": packed two codes a byte in uint8 caches)
@@ -60,8 +68,12 @@ class Case:
     def token_count(self) -> int:
         return int(self.inputs["query"].shape[0])
 
+    def present_inputs(self) -> dict:
+        """``inputs`` without the absent (None) ones."""
+        return {n: v for n, v in self.inputs.items() if v is not None}
+
     def kwargs(self) -> dict:
-        kw = {n: v for n, v in self.inputs.items() if v is not None}
+        kw = self.present_inputs()
         kw.update(self.attrs)
         return kw
 
@@ -75,10 +87,6 @@ class Case:
         kw = self.kwargs()
         kw.update(extra)
         return cupa.paged_attention(**kw)
-
-    def converted(self, fn) -> dict:
-        """``inputs`` with ``fn`` applied to every array (e.g. ``cupy.asarray``); metadata stays on the host."""
-        return {n: (v if v is None or n == "attention_metadata" else fn(v)) for n, v in self.inputs.items()}
 
 
 def random_lengths(rng, batch, max_q=6, max_past=40, zero_q=0.25):
@@ -111,12 +119,51 @@ def _random_cache(rng, shape, kind, T, qmax):
     return codes.view(np.uint8).copy() if kind == "fp8_bytes" else codes
 
 
+def paged_layout(rng, q_lens, past, block_size, *, extra_blocks=3, extra_cols=1, max_blocks=None, shuffle=True,
+                 unused_cols="garbage", block_table=None):
+    """cumulative_sequence_length, block_table and the number of physical blocks of a paged problem.
+
+    Each sequence gets ceil(kv_len / block_size) blocks (at least one) of a pool with ``extra_blocks``
+    spare ones, physical ids shuffled (``shuffle``). The table has ``max_blocks`` columns (default: the
+    most blocks a sequence needs + ``extra_cols``); its unused entries hold -1 (``unused_cols="neg"``)
+    or random block ids (``"garbage"``). ``block_table``: None, "shared" (sequence 1 maps its first
+    block to sequence 0's: a shared prefix) or "unmapped" (evicted -1 entries and an out-of-range id
+    inside the sequences' keys, both masked on read). Returns ``(cum, block_table, num_blocks)``.
+    """
+    q_lens, past = np.asarray(q_lens, dtype=np.int64), np.asarray(past, dtype=np.int64)
+    B = q_lens.size
+    kv_len = past + q_lens
+    cum = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    need = [max(1, -(-int(L) // block_size)) for L in kv_len]
+    MB = max_blocks or max(need) + extra_cols
+    NB = sum(need) + extra_blocks
+    phys = rng.permutation(NB) if shuffle else np.arange(NB)
+    bt = np.full((B, MB), -1, dtype=np.int32)
+    used = 0
+    for b in range(B):
+        bt[b, :need[b]] = phys[used:used + need[b]]
+        used += need[b]
+        if unused_cols == "garbage":
+            bt[b, need[b]:] = rng.integers(0, NB, size=MB - need[b])
+    if block_table not in (None, "shared", "unmapped"):
+        raise ValueError(f"block_table: got {block_table!r}; expected None, 'shared' or 'unmapped'")
+    if block_table == "shared" and B > 1 and need[0] > 1 and need[1] > 1:
+        bt[1, 0] = bt[0, 0]
+    if block_table == "unmapped":
+        for b in range(B):
+            if need[b] > 2:
+                bt[b, 0] = -1
+        bt[0, min(1, MB - 1)] = NB + 7 if need[0] > 1 else bt[0, 0]
+    return cum, bt, NB
+
+
 def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
               q_lens=(3, 0, 5, 1), past=(7, 4, 0, 18), dtype="float16",
               cache="T", k_quant="PER_TENSOR", v_quant="PER_TENSOR",
-              packed=False, rotary=None, rotary_dim=None, rotary_offset=0, max_position=None,
+              packed=False, rotary=None, rotary_dim=None, rotary_offset=0, max_position=None, rope_base=None,
               positions=None, qk_norm=False, window=-1, softcap=0.0, sink=False, is_causal=1,
-              scale=0.0, bias=None, bias_pad=(0, 0), qk_output=0, slot_mapping=None,
+              scale=0.0, bias=None, bias_pad=(0, 0), bias_neg_inf=0.0, qk_output=0, return_lse=False,
+              slot_mapping=None, max_blocks=None, block_table=None,
               metadata=None, shuffle=True, extra_blocks=3, extra_cols=1, unused_cols="garbage",
               latent=False, v_head_size=0, value_scale=1.0, v_cache=None):
     """Build a random paged call.
@@ -131,17 +178,21 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
         "int4", "fp4").
     k_quant, v_quant : "PER_TENSOR" or "PER_CHANNEL" (quantized caches only).
     packed : packed QKV in ``query``.
-    rotary : None, "half" or "interleaved"; rotary_dim (default head_size - rotary_offset); rotary_offset.
+    rotary : None, "half" or "interleaved"; rotary_dim (default head_size - rotary_offset); rotary_offset;
+        max_position (cos/sin rows; default max(kv_len, largest position + 1) + 5); rope_base (default
+        100 or 10000 at random).
     positions : None (default positions), "explicit" (query_positions equal to the default),
         "random" (random positions in [0, kv_len_b)), or an int array of length N.
-    qk_norm, window, softcap, sink, is_causal, scale, qk_output : the features of contract §3.
+    qk_norm, window, softcap, sink, is_causal, scale, qk_output, return_lse : the features of contract §3.
     bias : None or (batch_broadcast, head_broadcast); bias_pad adds (q, kv) capacity beyond the maxima
-        (negative values make an undersized bias whose out-of-capacity entries are masked).
-    slot_mapping : None, "derived" (explicit and equal to the derived slots) or "skip" (derived with
-        some -1 entries).
+        (negative values make an undersized bias whose out-of-capacity entries are masked); bias_neg_inf:
+        the fraction of its entries set to -inf, and then also all of entry (0, 0, 0, :) (the first query
+        row of sequence 0, head 0 admits no finite key).
+    slot_mapping : None, "derived" (explicit and equal to the derived slots), "skip" (derived with
+        some -1 entries) or the slots themselves.
     metadata : None, "tight", "loose" or a tuple.
-    shuffle : shuffle the physical blocks. extra_blocks: spare garbage blocks. extra_cols: extra
-        block_table columns, filled with -1 ("neg") or other block ids ("garbage") like unused entries.
+    shuffle, extra_blocks, extra_cols, max_blocks, unused_cols, block_table : the paging
+        (:func:`paged_layout`).
     latent, v_head_size : LATENT (MLA) layout: key is (N, head_size), one cache, kv_num_heads 1.
     """
     T = T_DTYPES[dtype]
@@ -153,20 +204,10 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
     B = q_lens.size
     N = int(q_lens.sum())
     kv_len = past + q_lens
-    cum = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-
-    # block allocation: ceil(kv_len/bs) blocks per sequence, shuffled physical ids
-    need = [max(1, -(-int(L) // bs)) for L in kv_len]
-    MB = max(need) + extra_cols
-    NB = sum(need) + extra_blocks
-    phys = rng.permutation(NB) if shuffle else np.arange(NB)
-    bt = np.full((B, MB), -1, dtype=np.int32)
-    used = 0
-    for b in range(B):
-        bt[b, :need[b]] = phys[used:used + need[b]]
-        used += need[b]
-        if unused_cols == "garbage":
-            bt[b, need[b]:] = rng.integers(0, NB, size=MB - need[b])
+    cum, bt, NB = paged_layout(rng, q_lens, past, bs, extra_blocks=extra_blocks, extra_cols=extra_cols,
+                               max_blocks=max_blocks, shuffle=shuffle, unused_cols=unused_cols,
+                               block_table=block_table)
+    MB = bt.shape[1]
 
     quant = cache != "T"
     v_cache = cache if v_cache is None or latent else v_cache
@@ -205,7 +246,8 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
     if rotary is not None:
         rd = rotary_dim if rotary_dim is not None else D - rotary_offset
         mp = max_position if max_position is not None else int(max(kv_len.max(), pos.max() + 1 if N else 1)) + 5
-        cos, sin = cupa.rope_cache(mp, rd, base=float(rng.choice([100.0, 10000.0])), dtype=T)
+        base = rope_base if rope_base is not None else float(rng.choice([100.0, 10000.0]))
+        cos, sin = cupa.rope_cache(mp, rd, base=base, dtype=T)
         inputs["cos_cache"], inputs["sin_cache"] = cos, sin
         attrs.update(do_rotary=1, rotary_interleaved=int(rotary == "interleaved"), rotary_offset=rotary_offset)
     if qk_norm:
@@ -233,12 +275,19 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
         bb, hb = bias
         qcap = int(max(1, q_lens.max() + bias_pad[0]))
         kcap = int(max(1, kv_len.max() + bias_pad[1]))
-        inputs["attention_bias"] = _rand_T(rng, (1 if bb else B, 1 if hb else H, qcap, kcap), T, 2.0)
-    if slot_mapping is not None:
-        slots = derived_slots(inputs["block_table"], pos, q_lens, bs)
+        shape = (1 if bb else B, 1 if hb else H, qcap, kcap)
+        values = _rand_T(rng, shape, T, 2.0)
+        if bias_neg_inf:
+            values[rng.random(shape) < bias_neg_inf] = -np.inf
+            values[0, 0, 0, :] = -np.inf
+        inputs["attention_bias"] = values
+    if isinstance(slot_mapping, str):
+        slots = derived_slots(inputs, bs, positions=pos)
         if slot_mapping == "skip" and N:
             slots[rng.random(N) < 0.3] = -1
         inputs["slot_mapping"] = slots.astype(np.int32)
+    elif slot_mapping is not None:
+        inputs["slot_mapping"] = np.asarray(slot_mapping, dtype=np.int32)
     if metadata is not None:
         if metadata == "tight":
             md = (int(max(1, q_lens.max())), int(max(1, kv_len.max())))
@@ -248,8 +297,8 @@ def make_case(rng, *, num_heads=4, kv_num_heads=2, head_size=64, block_size=16,
             md = tuple(metadata)
         inputs["attention_metadata"] = np.array(md, dtype=np.int32)
     for name, val in (("local_window_size", window), ("softcap", softcap), ("is_causal", is_causal),
-                      ("scale", scale), ("qk_output", qk_output)):
-        if val != dict(local_window_size=-1, softcap=0.0, is_causal=1, scale=0.0, qk_output=0)[name]:
+                      ("scale", scale), ("qk_output", qk_output), ("return_lse", return_lse)):
+        if val != dict(local_window_size=-1, softcap=0.0, is_causal=1, scale=0.0, qk_output=0, return_lse=False)[name]:
             attrs[name] = val
     if latent:
         attrs["kv_cache_layout"] = "LATENT"
@@ -269,8 +318,17 @@ def decode_case(rng, batch=4, context=(10, 40), **kw):
     return make_case(rng, q_lens=(1,) * batch, past=past, **kw)
 
 
-def derived_slots(block_table, positions, q_lens, block_size):
-    """The slots the operator derives for well-formed tokens (-1 where unmapped or beyond the row)."""
+def derived_slots(inputs, block_size, *, positions=None):
+    """The slots the operator derives for the tokens of ``inputs`` (its block_table,
+    cumulative_sequence_length, past_seqlens and query_positions; ``positions`` overrides the positions),
+    int64, -1 where unmapped or beyond the row."""
+    block_table, cum = inputs["block_table"], np.asarray(inputs["cumulative_sequence_length"])
+    q_lens = np.diff(cum)
+    if positions is None:
+        positions = inputs.get("query_positions")
+    if positions is None:
+        positions = np.concatenate([np.zeros(0, np.int64)] + [int(p) + np.arange(q)
+                                                              for p, q in zip(inputs["past_seqlens"], q_lens)])
     owner = np.repeat(np.arange(len(q_lens)), q_lens)
     out = np.full(len(positions), -1, dtype=np.int64)
     for t, (b, p) in enumerate(zip(owner, positions)):
@@ -278,6 +336,132 @@ def derived_slots(block_table, positions, q_lens, block_size):
         if p >= 0 and lb < block_table.shape[1] and block_table[b, lb] >= 0:
             out[t] = int(block_table[b, lb]) * block_size + p % block_size
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the GPU suites' view of the builder
+
+#: The cupa.Options every case of :func:`build` runs with (its attrs carry them); a test module's fixture
+#: sets it (monkeypatch) to run its cases with another backend or launch route.
+OPTIONS = None
+#: Absorbed MLA (LATENT): kv_lora_rank + qk_rope_head_dim latent channels, V = the first kv_lora_rank.
+MLA_D, MLA_DV, MLA_ROPE = 576, 512, 64
+#: DeepSeek's softmax scale before YaRN: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) = 1/sqrt(192) (seed 12.6).
+MLA_SCALE = 1.0 / math.sqrt(192.0)
+
+
+def build(rng, *, B=4, H=8, Hk=2, D=64, block_size=16, dtype="float16", q_lens=None, past=None,
+          max_blocks=None, cache="T", k_quant="PER_CHANNEL", v_quant="PER_CHANNEL", packed=False,
+          rotary=False, interleaved=False, rotary_dim=None, rotary_offset=0, qk_norm=False, sink=False,
+          softcap=0.0, window=-1, is_causal=1, slot_mapping=None, query_positions=False, block_table="shuffled",
+          spare_blocks=3, bias=None, bias_pad=(0, 0), bias_neg_inf=0.0, qk_output=0, return_lse=False,
+          latent=False, v_head_size=0, scale=0.0, v_cache=None):
+    """NumPy ``(inputs, attrs)`` of a random paged problem (:func:`make_case`), decode-shaped by default.
+
+    ``q_lens`` default one new token for each of ``B`` sequences, ``past`` random in [1, 200). ``cache``:
+    "T", "int8", "fp8" (e4m3 codes as uint8 bytes, k/v_cache_dtype set) or the packed 4-bit "int4" / "fp4"
+    (uint8 caches of last dimension D / 2); ``v_cache``: value_cache's kind where it differs (the other
+    4-bit kind); scales PER_CHANNEL by default.
+    ``rotary`` (RoPE on ``rotary_dim`` channels, default D, from ``rotary_offset``; ``interleaved``
+    pairs), cos/sin rows up to the longest sequence + 8, base 10000. ``query_positions``: explicit, equal
+    to the default positions. ``slot_mapping``: explicit slots. ``block_table``: "shuffled", "shared" or
+    "unmapped" (:func:`paged_layout`); ``spare_blocks`` spare physical blocks; unused table entries -1,
+    ``max_blocks`` columns (default the most a sequence needs + 2). ``bias``, ``bias_pad``,
+    ``bias_neg_inf``: as in make_case. ``latent``: the LATENT layout (kv_num_heads 1, one cache,
+    ``v_head_size`` channels of V; give ``scale`` when v_head_size != D). ``inputs`` leaves the absent
+    inputs out; ``attrs`` always carries softcap, local_window_size and is_causal, and :data:`OPTIONS`.
+    """
+    q_lens = list(q_lens) if q_lens is not None else [1] * B
+    past = list(past) if past is not None else [int(x) for x in rng.integers(1, 200, size=len(q_lens))]
+    case = make_case(
+        rng, num_heads=H, kv_num_heads=Hk, head_size=D, block_size=block_size, q_lens=q_lens, past=past,
+        dtype=dtype, cache={"fp8": "fp8_bytes"}.get(cache, cache), k_quant=k_quant, v_quant=v_quant,
+        packed=packed and not latent, rotary=("interleaved" if interleaved else "half") if rotary else None,
+        rotary_dim=rotary_dim or D, rotary_offset=rotary_offset,
+        max_position=max(p + q for p, q in zip(past, q_lens)) + 8, rope_base=10000.0,
+        positions="explicit" if query_positions else None, qk_norm=qk_norm, window=window, softcap=softcap,
+        sink=sink, is_causal=is_causal, scale=scale, bias=bias, bias_pad=bias_pad, bias_neg_inf=bias_neg_inf,
+        qk_output=qk_output, return_lse=return_lse, slot_mapping=slot_mapping, extra_blocks=spare_blocks,
+        extra_cols=2, max_blocks=max_blocks, unused_cols="neg",
+        block_table=None if block_table == "shuffled" else block_table, latent=latent, v_head_size=v_head_size,
+        v_cache=None if v_cache is None else {"fp8": "fp8_bytes"}.get(v_cache, v_cache))
+    attrs = dict(case.attrs, softcap=softcap, local_window_size=window, is_causal=is_causal)
+    if OPTIONS is not None:
+        attrs["options"] = OPTIONS
+    return case.present_inputs(), attrs
+
+
+def build_latent(rng, *, B=4, H=16, block_size=64, dtype="float16", q_lens=None, past=None, max_blocks=None,
+                 cache="T", k_quant="PER_CHANNEL", rotary=False, interleaved=False, softcap=0.0, window=-1,
+                 is_causal=1, slot_mapping=None, query_positions=False, block_table="shuffled", spare_blocks=3,
+                 scale=MLA_SCALE, return_lse=False):
+    """:func:`build` of a random absorbed-MLA problem (kv_cache_layout LATENT, decode-shaped by default):
+    query (N, H*576), key (N, 576) the new latent rows, key_cache (num_blocks, block_size, 1, 576) of T or
+    fp8 codes (uint8 bytes, k_scale PER_TENSOR or PER_CHANNEL), v_head_size 512, an explicit scale, and
+    with ``rotary`` RoPE on channels 512..575 (rotary_offset 512); attrs always carry return_lse."""
+    inputs, attrs = build(rng, B=B, H=H, Hk=1, D=MLA_D, block_size=block_size, dtype=dtype, q_lens=q_lens,
+                          past=past, max_blocks=max_blocks, cache=cache, k_quant=k_quant, rotary=rotary,
+                          interleaved=interleaved, rotary_dim=MLA_ROPE, rotary_offset=MLA_DV, softcap=softcap,
+                          window=window, is_causal=is_causal, slot_mapping=slot_mapping,
+                          query_positions=query_positions, block_table=block_table, spare_blocks=spare_blocks,
+                          latent=True, v_head_size=MLA_DV, scale=scale, return_lse=return_lse)
+    attrs["return_lse"] = return_lse
+    return inputs, attrs
+
+
+def build_prefix_written_this_call(rng, **kw):
+    """A ragged prefill whose new tokens are read back, in the same call, as another sequence's past.
+
+    Sequence 0 has no past and writes its first 16 new tokens into its block 0; sequence 1 maps its
+    logical block 0 to that same block (a shared prefix) and has a past of 16, so its attention reads
+    positions 0..15 from rows this call writes (contract §4.1: every write lands before any read).
+    Sequences 2 and 3 are a zero-token one with a past and one without a past.
+    """
+    inputs, attrs = build(rng, q_lens=[40, 10, 0, 33], past=[0, 16, 5, 0], block_size=16, **kw)
+    inputs["block_table"][1, 0] = inputs["block_table"][0, 0]
+    return inputs, attrs
+
+
+def poison_unused_cache_rows(inputs, block_size, window=-1):
+    """NaN in every cache row no sequence reads (positions past each sequence's keys, unmapped and spare
+    blocks; fp8 codes 0x7F, int8 codes 127): rows a kernel loads but masks must not reach the output
+    (0 * NaN). With a causal ``window`` (default positions), also the rows before every window of a
+    sequence (positions <= past - window). Returns how many rows were poisoned."""
+    cum, past, bt = inputs["cumulative_sequence_length"], inputs["past_seqlens"], inputs["block_table"]
+    num_blocks = inputs["key_cache"].shape[0]
+    unused = np.ones(num_blocks * block_size, dtype=bool)
+    for b in range(len(past)):
+        first = max(0, int(past[b]) - window + 1) if window > 0 else 0  # the first query's window start
+        for pos in range(first, int(past[b]) + int(cum[b + 1] - cum[b])):
+            blk = int(bt[b, pos // block_size])
+            if 0 <= blk < num_blocks:
+                unused[blk * block_size + pos % block_size] = False
+    for name in ("key_cache", "value_cache"):
+        if inputs.get(name) is None:  # (LATENT: one cache)
+            continue
+        rows = inputs[name].reshape(num_blocks * block_size, -1)
+        if rows.dtype == np.uint8:    # fp8 e4m3 codes as bytes: 0x7F is NaN
+            rows[unused] = 0x7F
+        elif rows.dtype == np.int8:   # int8 codes have no NaN: the largest code instead
+            rows[unused] = 127
+        else:
+            rows[unused] = np.nan
+    return int(unused.sum())
+
+
+def to_device(cp, inputs):
+    """``inputs`` with every array moved by ``cp.asarray`` (metadata and None stay)."""
+    return {k: (cp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+
+
+def host_attrs(attrs: dict) -> dict:
+    """``attrs`` for the NumPy reference: without the Options of a CUDA backend."""
+    return {k: v for k, v in attrs.items() if k != "options"}
+
+
+def with_options(attrs: dict, **changes) -> dict:
+    """``attrs`` whose Options (``cupa.Options()`` if none) have ``changes`` applied."""
+    return dict(attrs, options=dataclasses.replace(attrs.get("options") or cupa.Options(), **changes))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -563,7 +747,7 @@ def rel_err(out, ref) -> float:
 def assert_rel(out, ref, dtype, factor=1.0, what="output"):
     """contract §6 relative-error bound for T=dtype (times ``factor``)."""
     err = rel_err(out, ref)
-    tol = REL_TOL[np.dtype(dtype).name if not isinstance(dtype, str) else dtype] * factor
+    tol = TOLERANCE[np.dtype(dtype).name if not isinstance(dtype, str) else dtype] * factor
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
 
 
@@ -600,15 +784,20 @@ def _code_ordinal(c, packed=None):
     return np.where(u & 0x80, -(u & 0x7F), u & 0x7F)
 
 
-def assert_cache_close(actual, expected, steps=0, what="cache", max_frac=1.0, packed=None):
+def assert_cache_close(actual, expected, steps=0, what="cache", max_frac=1.0, packed=None, fp32_rows=False):
     """Caches equal byte for byte (steps=0), or within ``steps`` ulp/code where they differ.
 
     ``max_frac`` bounds the fraction of elements allowed to differ at all (rounding-boundary
     coincidences between two float64 implementations are rare, systematic errors are not);
     ``packed`` ("int4" / "fp4"): uint8 caches of 4-bit codes, compared code by code.
+    ``fp32_rows`` (a CUDA backend against the reference): contract §4.1 has the GPU prologue compute in
+    fp32, and where the two terms of a rotated pair cancel, fp32 cannot land within one ulp of T of the
+    float64 result; a T cache value may then also differ by four fp32 roundings of its row's magnitude.
     """
     a, e = np.ascontiguousarray(actual), np.ascontiguousarray(expected)
     assert a.shape == e.shape and a.dtype == e.dtype, f"{what}: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
+    if a.size == 0:
+        return
     differs = np.any(a.view(np.uint8).reshape(a.shape + (-1,)) != e.view(np.uint8).reshape(e.shape + (-1,)), axis=-1)
     ndiff = int(differs.sum())
     if ndiff == 0:
@@ -617,8 +806,12 @@ def assert_cache_close(actual, expected, steps=0, what="cache", max_frac=1.0, pa
     assert steps > 0, (f"{what}: {ndiff} of {a.size} elements differ (expected byte-identical); first at {first}: "
                        f"got {a[tuple(first)]!r}, expected {e[tuple(first)]!r}")
     if a.dtype.name in T_DTYPES:
-        diff = np.abs(a.astype(np.float64) - e.astype(np.float64))
-        bad = diff > steps * ulp(e.astype(np.float64), a.dtype.name)
+        e64 = e.astype(np.float64)
+        diff = np.abs(a.astype(np.float64) - e64)
+        allowed = steps * ulp(e64, a.dtype.name)
+        if fp32_rows:
+            allowed = allowed * 1.0001 + 4.0 * 2.0 ** -24 * np.abs(e64).max(axis=-1, keepdims=True)
+        bad = diff > allowed
     else:
         bad = np.abs(_code_ordinal(a, packed) - _code_ordinal(e, packed)) > steps
     assert not bad.any(), f"{what}: {int(bad.sum())} elements differ by more than {steps} ulp/code; first at {first}"
@@ -694,27 +887,193 @@ def apply_rope(x, cos_row, sin_row, offset=0, interleaved=False):
     return y
 
 
-def check_against_reference(ref_case: Case, ref_result, out, key_cache, value_cache=None, output_qk=None,
-                            dtype=None):
-    """Compare a CUDA backend's results (host NumPy copies) with a reference run (contract §6).
+#: the array dtypes of each cache kind of :func:`build` and :func:`make_case`
+_CACHE_DTYPES = {"T": tuple(T_DTYPES.values()), "int8": (np.dtype(np.int8),), "fp8": (np.dtype(np.uint8), F8),
+                 "fp8_bytes": (np.dtype(np.uint8),), "int4": (np.dtype(np.uint8),), "fp4": (np.dtype(np.uint8),)}
+#: the packed 4-bit cache kinds (two codes a byte): the prologue encodes in fp32 what the reference
+#: encodes in float32, so their written bytes equal the reference's
+PACKED_KINDS = ("int4", "fp4")
 
-    ``ref_case`` is the case after the reference call (its caches are the reference's written caches);
-    ``ref_result`` is what the reference returned. Output: relative error below REL_TOL[T]; caches:
-    within one ulp of T (T caches) or one code (quantized caches); output_qk: float32 relative error
-    below REL_TOL[T].
-    """
-    dt = dtype or ref_case.dtype
-    ref_out, ref_qk = (ref_result if isinstance(ref_result, tuple) else (ref_result, None))
+
+def assert_matches_reference(out, ref_out, dtype, caches=(), *, cache="T", output_qk=None, ref_qk=None,
+                             v_cache=None):
+    """A CUDA backend's results (host NumPy copies) against the reference's (contract §6): output written
+    everywhere (no NaN: outputs are NaN-poisoned before the call) and within TOLERANCE[T] relative error;
+    each ``(name, got, expected)`` of ``caches``, of kind ``cache`` (of build or make_case), within one
+    ulp of T (plus fp32 rounding, see :func:`assert_cache_close`) or one code, packed 4-bit caches byte for
+    byte (``v_cache``: value_cache's kind where it differs); output_qk within TOLERANCE[T] relative error."""
     out = np.asarray(out)
     assert out.shape == ref_out.shape and out.dtype == ref_out.dtype, (out.shape, out.dtype, ref_out.shape)
-    assert np.all(np.isfinite(out.astype(np.float32))), "output has non-finite values"
-    assert_rel(out, ref_out, dt)
-    assert_cache_close(key_cache, ref_case.inputs["key_cache"], steps=1, what="key_cache")
-    if value_cache is not None:
-        assert_cache_close(value_cache, ref_case.inputs["value_cache"], steps=1, what="value_cache")
+    assert not np.isnan(out.astype(np.float32)).any(), "output has unwritten (NaN-poisoned) or NaN elements"
+    err = rel_err(out, ref_out)
+    assert err < TOLERANCE[dtype], f"relative error {err:.3g} >= {TOLERANCE[dtype]}"
+    for name, got, expected in caches:
+        kind = v_cache or cache if name == "value_cache" else cache
+        assert np.asarray(got).dtype in _CACHE_DTYPES[kind], f"{name}: {np.asarray(got).dtype} is no {kind} cache"
+        if kind in PACKED_KINDS:
+            assert_cache_close(got, expected, steps=0, what=name, packed=kind)
+        else:
+            assert_cache_close(got, expected, steps=1, what=name, fp32_rows=True)
     if ref_qk is not None:
         assert output_qk is not None and np.asarray(output_qk).shape == ref_qk.shape
-        assert_rel(output_qk, ref_qk, dt, what="output_qk")
+        assert_rel(output_qk, ref_qk, dtype, what="output_qk")
+
+
+def check_against_reference(cp, inputs, attrs, *, metadata=None, dtype="float16", cache="T", stream=None,
+                            v_cache=None):
+    """Run the reference and a CUDA backend (``cp``: CuPy) on the same inputs, the latter into a
+    NaN-poisoned ``out=``; check output and caches (:func:`assert_matches_reference`; ``v_cache``:
+    value_cache's kind where it differs from ``cache``). Returns ``(device output, device inputs)``."""
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    ref = cupa.paged_attention(**ref_in, attention_metadata=metadata, **host_attrs(attrs))
+    dev = to_device(cp, inputs)
+    out = cp.full(ref.shape, np.nan, dtype=dev["query"].dtype)
+    got = cupa.paged_attention(**dev, attention_metadata=metadata, out=out, stream=stream, **attrs)
+    assert got is out or got.data.ptr == out.data.ptr
+    cp.cuda.get_current_stream().synchronize()
+    assert_matches_reference(cp.asnumpy(out), ref, dtype,
+                             [(name, cp.asnumpy(dev[name]), ref_in[name]) for name in ("key_cache", "value_cache")],
+                             cache=cache, v_cache=v_cache)
+    return out, dev
+
+
+def check_graph_capture(cp, inputs, attrs, metadata):
+    """Capture one call into a CUDA graph on a CuPy stream, replay it, compare with the reference.
+
+    Capture fails on any host synchronization, so this is the proof that a call has none.
+    """
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    ref = cupa.paged_attention(**ref_in, **host_attrs(attrs))
+    dev = to_device(cp, inputs)
+    N, H, D = inputs["query"].shape[0], attrs["num_heads"], inputs["key_cache"].shape[-1]
+    out = cp.full((N, H * D), np.nan, dtype=dev["query"].dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        cupa.paged_attention(**to_device(cp, inputs), out=cp.empty_like(out), **attrs)  # compile first
+        stream.synchronize()
+        stream.begin_capture()
+        cupa.paged_attention(**dev, out=out, attention_metadata=metadata, **attrs)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert rel_err(cp.asnumpy(out), ref) < TOLERANCE[np.dtype(inputs["query"].dtype).name]
+
+
+def check_new_keys_from_inputs(cp, inputs, attrs, *, backend, dtype="float16", metadata=None, beside=False):
+    """The prefill reading new K/V from key/value (prefill.kv_from_inputs; explain() says so, and whether
+    the prologue runs beside the attention kernel on SMs of its own) against the reference, then bit
+    for bit against the same call with that off (Options(new_kv_from_inputs=False)): output, key cache
+    and value cache."""
+    def explain(a):
+        return cupa.PagedAttention(**a).explain(**to_device(cp, inputs), attention_metadata=metadata)
+
+    text = explain(attrs)
+    assert f"{backend}: chosen" in text and "new K/V read from key/value" in text, text
+    assert ("SMs of its own" in text) == beside, text
+    out_on, dev_on = check_against_reference(cp, inputs, attrs, dtype=dtype, metadata=metadata)
+    off = with_options(attrs, new_kv_from_inputs=False)
+    assert "new K/V read from key/value" not in explain(off)
+    out_off, dev_off = check_against_reference(cp, inputs, off, dtype=dtype, metadata=metadata)
+    for name, a, b in (("output", out_on, out_off), ("key_cache", dev_on["key_cache"], dev_off["key_cache"]),
+                       ("value_cache", dev_on["value_cache"], dev_off["value_cache"])):
+        a, b = cp.asnumpy(a), cp.asnumpy(b)
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), f"{name}: bits differ with new_kv_from_inputs off"
+
+
+def check_new_keys_cases(cp, rng, *, backend, dtype, head_sizes):
+    """check_new_keys_from_inputs on: a call without a past (each head size), one whose new rows are
+    another sequence's past in the same call (that CTA waits for the prologue; D=128), and one with
+    enough tokens and bounds without a past, where the prologue runs beside the attention kernel (its
+    512-thread token-loop variant on SMs of its own; the first head size)."""
+    for D in head_sizes:
+        inputs, attrs = build(rng, q_lens=[70, 0, 130], past=[0, 0, 0], H=8, Hk=2, D=D, dtype=dtype)
+        check_new_keys_from_inputs(cp, inputs, attrs, backend=backend, dtype=dtype)
+    inputs, attrs = build_prefix_written_this_call(rng, H=8, Hk=2, D=128, dtype=dtype)
+    check_new_keys_from_inputs(cp, inputs, attrs, backend=backend, dtype=dtype)
+    inputs, attrs = build(rng, q_lens=[1100, 0, 1000], past=[0, 0, 0], H=4, Hk=2, D=head_sizes[0], dtype=dtype)
+    check_new_keys_from_inputs(cp, inputs, attrs, backend=backend, dtype=dtype,
+                               metadata=np.array([1100, 1100], dtype=np.int32), beside=True)
+
+
+@contextlib.contextmanager
+def poisoned_allocations(cp):
+    """Every device allocation made inside (outputs the call allocates itself: output_qk, lse; its workspaces)
+    starts as 0xFF bytes, NaN in float32 and in 16-bit floats, so an element no kernel writes shows."""
+    pool = cp.get_default_memory_pool()
+
+    def malloc(nbytes):
+        mem = pool.malloc(nbytes)
+        if nbytes:
+            cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes, cp.cuda.get_current_stream().ptr)
+        return mem
+
+    with cp.cuda.using_allocator(malloc):
+        yield
+
+
+def assert_elementwise(got, ref, tol, name, floor=1.0):
+    """Every element of ``got`` written (no NaN), -inf exactly where ``ref`` is -inf, and elsewhere within
+    ``tol`` of ``ref`` relative to max(|ref|, floor)."""
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
+    assert not np.isnan(got).any(), f"{name}: {int(np.isnan(got).sum())} unwritten (NaN-poisoned) or NaN elements"
+    neg = np.isneginf(ref)
+    assert np.array_equal(np.isneginf(got), neg), f"{name}: -inf at {int((np.isneginf(got) != neg).sum())} wrong places"
+    finite = ~neg
+    err = np.abs(got[finite] - ref[finite])
+    allowed = tol * np.maximum(np.abs(ref[finite]), floor)
+    bad = err > allowed
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.size} elements off (worst {err.max():.3g}, "
+                           f"allowed {tol} relative to max(|ref|, {floor}))")
+
+
+def assert_rows_close(got, ref, tol, name):
+    """Probabilities (output_qk with qk_output=2): every element written (no NaN), and each (head, token)
+    row within ``tol`` of the reference in the contract's measure, ||got - ref|| / ||ref|| (a row of
+    zeros: exactly zero). A probability's own relative error is its score's absolute error, so small
+    probabilities are not compared relative to themselves."""
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
+    assert not np.isnan(got).any(), f"{name}: {int(np.isnan(got).sum())} unwritten (NaN-poisoned) or NaN elements"
+    g, r = got.reshape(-1, got.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    norm, err = np.linalg.norm(r, axis=1), np.linalg.norm(g - r, axis=1)
+    zero = norm == 0
+    assert not err[zero].any(), f"{name}: {int((err[zero] > 0).sum())} rows that must be zero are not"
+    rel = err[~zero] / norm[~zero]
+    assert not (rel >= tol).any(), (f"{name}: {int((rel >= tol).sum())} of {rel.size} rows off (worst relative "
+                                    f"error {rel.max():.3g} >= {tol})")
+
+
+def check_outputs_against_reference(cp, inputs, attrs, *, metadata=None, dtype="float16", cache="T", stream=None):
+    """check_against_reference for every output of a call: output (NaN-poisoned ``out=``, relative error),
+    output_qk and lse (:func:`assert_elementwise`: scores and lse element by element relative to
+    max(|ref|, 1); probabilities row by row, :func:`assert_rows_close`), each allocation of the call
+    poisoned (:func:`poisoned_allocations`), and the caches (LATENT: one). Returns ``(result, device
+    inputs)``."""
+    qk_output, return_lse = attrs.get("qk_output", 0), attrs.get("return_lse", False)
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    ref = split_result(cupa.paged_attention(**ref_in, attention_metadata=metadata, **host_attrs(attrs)),
+                       qk_output, return_lse)
+    dev = to_device(cp, inputs)
+    out = cp.full(ref[0].shape, np.nan, dtype=dev["query"].dtype)
+    with poisoned_allocations(cp):
+        result = cupa.paged_attention(**dev, attention_metadata=metadata, out=out, stream=stream, **attrs)
+    cp.cuda.get_current_stream().synchronize()
+    if stream is not None:
+        stream.synchronize()
+    got = split_result(result, qk_output, return_lse)
+    assert got[0] is out or got[0].data.ptr == out.data.ptr
+    assert_matches_reference(cp.asnumpy(out), ref[0], dtype,
+                             [(name, cp.asnumpy(dev[name]), ref_in[name])
+                              for name in ("key_cache", "value_cache") if name in inputs], cache=cache)
+    if got[1] is not None:
+        if qk_output == 2:
+            assert_rows_close(cp.asnumpy(got[1]), ref[1], TOLERANCE[dtype], "output_qk")
+        else:
+            assert_elementwise(cp.asnumpy(got[1]), ref[1], TOLERANCE[dtype], "output_qk")
+    if got[2] is not None:
+        assert_elementwise(cp.asnumpy(got[2]), ref[2], TOLERANCE[dtype], "lse")
+    return result, dev
 
 
 # ------------------------------------------------------------------------------------------------

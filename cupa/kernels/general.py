@@ -45,7 +45,7 @@ MMA_TILES = {64: (64, 3), 128: (64, 2), 256: (32, 2)}
 MMA_ROWS = 64     # query rows of a CTA (4 warps of one m16 tile)
 MMA_THREADS = 128
 #: Static shared memory of paged_general_mma (1568 bytes on sm_80 and sm_90), counted with the dynamic part
-#: against the device's per-CTA limit (tests/test_general.py checks the compiled kernels stay within it).
+#: against the device's per-CTA limit (tests/test_kernels_general.py checks the compiled kernels stay within it).
 MMA_STATIC_SHARED = 1600
 SIMT_THREADS = 128
 #: 8-channel chunks per lane -> the head chunks the CUDA-core kernel is compiled for: head_size <= 256 with

@@ -206,7 +206,7 @@ def workspace_layout(problem: Problem, plan: dict, q_itemsize: int = 2) -> dict:
 
 class MlaBackend(CudaBackend):
     name = "mla"
-    verified = True   # tests/test_mla_gpu.py: both kernels against the reference on an H200
+    verified = True   # tests/gpu/test_mla.py: both kernels against the reference on an H200
     serves = frozenset({"latent", "return_lse"})
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:

@@ -1,4 +1,4 @@
-// Test-only kernel family for tests/test_jit_offline.py and tests/test_interop_gpu.py.
+// Test-only kernel family for tests/test_jit_offline.py and tests/gpu/test_interop.py.
 // One CTA of BLOCK threads scales a strided run of n elements of T into float output.
 #include "jit_smoke.cuh"
 #include "jit_smoke.cuh"

@@ -2,8 +2,8 @@
 
 Every case runs with ``cupa.Options(backend="general")`` (the backend is not chosen by default until these
 pass), draws fresh random data, poisons ``out`` and every allocation of the call (output_qk, lse,
-workspaces: gpu_cases.poisoned_allocations) and checks every element: the output by contract §6's
-relative error, output_qk and lse element by element (gpu_cases.check_outputs_against_reference), and
+workspaces: util.poisoned_allocations) and checks every element: the output by contract §6's
+relative error, output_qk and lse element by element (util.check_outputs_against_reference), and
 every cache byte. Both kernels are covered: tensor cores (fp16/bf16, head_size 64/128/256, SEPARATE) and
 CUDA cores (float32, other head sizes, LATENT).
 """
@@ -13,7 +13,7 @@ import pytest
 
 import cupa
 from cupa.kernels import general
-from tests import gpu_cases as gc
+from tests import util
 
 pytestmark = pytest.mark.gpu
 
@@ -34,17 +34,17 @@ def cp():
 
 @pytest.fixture(autouse=True)
 def general_backend(monkeypatch):
-    monkeypatch.setattr(gc, "OPTIONS", GENERAL)
+    monkeypatch.setattr(util, "OPTIONS", GENERAL)
 
 
 def check(cp, rng, *, dtype="float16", cache="T", metadata=None, kernel=None, **kw):
     """Build a case, check every output against the reference; ``kernel``: the one the plan must use."""
-    inputs, attrs = gc.build(rng, dtype=dtype, cache=cache, **kw)
+    inputs, attrs = util.build(rng, dtype=dtype, cache=cache, **kw)
     if kernel is not None:
-        plan = cupa.PagedAttention(**attrs).plan(**gc.to_device(cp, inputs), attention_metadata=metadata)
+        plan = cupa.PagedAttention(**attrs).plan(**util.to_device(cp, inputs), attention_metadata=metadata)
         assert plan.backend is general.BACKEND
         assert general.launch_plan(plan.problem, plan.device)["kernel"] == kernel
-    return gc.check_outputs_against_reference(cp, inputs, attrs, metadata=metadata, dtype=dtype, cache=cache)
+    return util.check_outputs_against_reference(cp, inputs, attrs, metadata=metadata, dtype=dtype, cache=cache)
 
 
 # ---- attention_bias -----------------------------------------------------------------------------------------
@@ -102,10 +102,10 @@ def test_prologue_transforms_with_bias(cp, rng, dtype):
     """Packed QKV, QK-norm and rotary (the attention kernels read the Q workspace), slot_mapping, positions."""
     check(cp, rng, dtype=dtype, packed=True, qk_norm=True, rotary=True, bias=(False, False), qk_output=1,
           **SHAPES["chunked"])
-    inputs, attrs = gc.build(rng, dtype=dtype, rotary=True, interleaved=True, query_positions=True, bias=(True, True),
+    inputs, attrs = util.build(rng, dtype=dtype, rotary=True, interleaved=True, query_positions=True, bias=(True, True),
                              return_lse=True, **SHAPES["chunked"])
-    inputs["slot_mapping"] = np.asarray(gc.derived_slots(inputs, 16), dtype=np.int32)
-    gc.check_outputs_against_reference(cp, inputs, attrs, dtype=dtype)
+    inputs["slot_mapping"] = np.asarray(util.derived_slots(inputs, 16), dtype=np.int32)
+    util.check_outputs_against_reference(cp, inputs, attrs, dtype=dtype)
 
 
 @pytest.mark.parametrize("is_causal", [0, 1])
@@ -146,11 +146,11 @@ def test_output_qk(cp, rng, feature, qk_output, shape, dtype):
 def test_splits(cp, rng, qk_output, dtype, D):
     """Long decode-shaped calls split their keys; the finish kernel merges the partial states in split order
     (output, lse) and turns the splits' scores into probabilities."""
-    inputs, attrs = gc.build(rng, q_lens=[1, 1, 2], past=[3000, 900, 5000], H=8, Hk=2, D=D, dtype=dtype,
+    inputs, attrs = util.build(rng, q_lens=[1, 1, 2], past=[3000, 900, 5000], H=8, Hk=2, D=D, dtype=dtype,
                              bias=(False, False), sink=True, qk_output=qk_output, return_lse=True)
-    plan = cupa.PagedAttention(**attrs).plan(**gc.to_device(cp, inputs))
+    plan = cupa.PagedAttention(**attrs).plan(**util.to_device(cp, inputs))
     assert general.launch_plan(plan.problem, plan.device)["num_splits"] > 1
-    gc.check_outputs_against_reference(cp, inputs, attrs, dtype=dtype)
+    util.check_outputs_against_reference(cp, inputs, attrs, dtype=dtype)
 
 
 @pytest.mark.parametrize("metadata", ["tight", "loose"])
@@ -165,10 +165,10 @@ def test_output_qk_width_from_the_bound(cp, rng, metadata):
 
 def test_output_qk_byte_limit_before_allocation(cp, rng):
     """An output_qk over Options.output_qk_max_bytes fails in validation, before any device allocation."""
-    inputs, attrs = gc.build(rng, qk_output=2, **SHAPES["decode"])
-    dev = gc.to_device(cp, inputs)
+    inputs, attrs = util.build(rng, qk_output=2, **SHAPES["decode"])
+    dev = util.to_device(cp, inputs)
     N, H, cap = 5, attrs["num_heads"], inputs["block_table"].shape[1] * 16
-    attrs = gc.with_options(attrs, output_qk_max_bytes=N * H * cap * 4 - 1)
+    attrs = util.with_options(attrs, output_qk_max_bytes=N * H * cap * 4 - 1)
     pool = cp.get_default_memory_pool()
     used = pool.used_bytes()
     with pytest.raises(cupa.PagedAttentionError, match="expected an output_qk of at most"):
@@ -206,31 +206,31 @@ def test_latent_prefill_rotary(cp, rng, dtype):
 def test_malformed_inputs(cp, rng, dtype):
     """Tokens no sequence owns (cum[B] < N), an invalid sequence (past < 0), block ids out of range and
     unmapped: zeros where the contract says so, never a read out of bounds."""
-    inputs, attrs = gc.build(rng, dtype=dtype, q_lens=[20, 3, 9], past=[40, 5, 70], block_table="unmapped",
+    inputs, attrs = util.build(rng, dtype=dtype, q_lens=[20, 3, 9], past=[40, 5, 70], block_table="unmapped",
                              bias=(False, False), qk_output=2, return_lse=True)
     inputs["cumulative_sequence_length"][-1] -= 4   # the last 4 tokens belong to no sequence
     inputs["past_seqlens"][1] = -3                  # sequence 1 is invalid
-    gc.check_outputs_against_reference(cp, inputs, attrs, dtype=dtype)
+    util.check_outputs_against_reference(cp, inputs, attrs, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype,cache", [("float16", "T"), ("float32", "T"), ("bfloat16", "fp8"), ("float16", "int8")])
 def test_nan_in_unread_cache_rows(cp, rng, dtype, cache):
-    inputs, attrs = gc.build(rng, dtype=dtype, cache=cache, block_table="unmapped", past=[300, 17, 1, 64, 250],
+    inputs, attrs = util.build(rng, dtype=dtype, cache=cache, block_table="unmapped", past=[300, 17, 1, 64, 250],
                              q_lens=[1, 1, 1, 1, 1], bias=(False, False), qk_output=2, return_lse=True)
-    assert gc.poison_unused_cache_rows(inputs, 16) > 0
-    gc.check_outputs_against_reference(cp, inputs, attrs, dtype=dtype, cache=cache)
+    assert util.poison_unused_cache_rows(inputs, 16) > 0
+    util.check_outputs_against_reference(cp, inputs, attrs, dtype=dtype, cache=cache)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_bit_identical_runs_and_bounds(cp, rng, dtype):
     """Two runs give the same bits; so do absent, tight and loose attention_metadata bounds (contract §4.5)."""
     shape = dict(q_lens=[1, 5, 1], past=[2500, 300, 4000])
-    inputs, attrs = gc.build(rng, dtype=dtype, bias=(False, False), qk_output=2, return_lse=True, sink=True, **shape)
+    inputs, attrs = util.build(rng, dtype=dtype, bias=(False, False), qk_output=2, return_lse=True, sink=True, **shape)
     kv = max(p + q for p, q in zip(shape["past"], shape["q_lens"]))
     cap = inputs["block_table"].shape[1] * 16
     results = []
     for md in (None, None, np.array([5, kv], dtype=np.int32), np.array([50, cap], dtype=np.int32)):
-        dev = gc.to_device(cp, inputs)
+        dev = util.to_device(cp, inputs)
         out = cupa.paged_attention(**dev, attention_metadata=md, **attrs)
         results.append([cp.asnumpy(x) for x in out])
     for other in results[1:]:
@@ -243,37 +243,38 @@ def test_bit_identical_runs_and_bounds(cp, rng, dtype):
 def test_graph_capture(cp, rng):
     """A decode step with bias, output_qk and lse captures into a CUDA graph (no host synchronization) and
     replays to the reference's outputs."""
-    inputs, attrs = gc.build(rng, H=8, Hk=2, D=128, past=[100, 2000, 300, 400], bias=(False, False), qk_output=2,
+    inputs, attrs = util.build(rng, H=8, Hk=2, D=128, past=[100, 2000, 300, 400], bias=(False, False), qk_output=2,
                              return_lse=True)
-    ref = gc.split_outputs(cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v)
-                                                   for k, v in inputs.items()}, **gc.host_attrs(attrs)), attrs)
+    ref = util.split_result(cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v)
+                                                  for k, v in inputs.items()}, **util.host_attrs(attrs)),
+                          attrs["qk_output"], attrs["return_lse"])
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        cupa.paged_attention(**gc.to_device(cp, inputs), **attrs)  # compile first
-        dev = gc.to_device(cp, inputs)
+        cupa.paged_attention(**util.to_device(cp, inputs), **attrs)  # compile first
+        dev = util.to_device(cp, inputs)
         stream.synchronize()
         stream.begin_capture()
-        got = gc.split_outputs(cupa.paged_attention(**dev, **attrs), attrs)
+        got = util.split_result(cupa.paged_attention(**dev, **attrs), attrs["qk_output"], attrs["return_lse"])
         graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()
-    assert gc.rel_error(cp.asnumpy(got[0]), ref[0]) < gc.TOLERANCE["float16"]
-    gc.assert_elementwise(cp.asnumpy(got[1]), ref[1], gc.TOLERANCE["float16"], "output_qk", floor=1e-30)
-    gc.assert_elementwise(cp.asnumpy(got[2]), ref[2], gc.TOLERANCE["float16"], "lse")
+    assert util.rel_err(cp.asnumpy(got[0]), ref[0]) < util.TOLERANCE["float16"]
+    util.assert_elementwise(cp.asnumpy(got[1]), ref[1], util.TOLERANCE["float16"], "output_qk", floor=1e-30)
+    util.assert_elementwise(cp.asnumpy(got[2]), ref[2], util.TOLERANCE["float16"], "lse")
 
 
 def test_empty_call(cp, rng):
-    inputs, attrs = gc.build(rng, q_lens=[0, 0], past=[3, 4], bias=(False, False), qk_output=1, return_lse=True)
-    out, qk, lse = cupa.paged_attention(**gc.to_device(cp, inputs), **attrs)
+    inputs, attrs = util.build(rng, q_lens=[0, 0], past=[3, 4], bias=(False, False), qk_output=1, return_lse=True)
+    out, qk, lse = cupa.paged_attention(**util.to_device(cp, inputs), **attrs)
     assert out.shape == (0, 8 * 64) and qk.shape == (8, 0, inputs["block_table"].shape[1] * 16) and lse.shape == (0, 8)
 
 
 def test_not_chosen_by_default_until_verified(cp, rng, monkeypatch):
     """Unverified, without Options(backend="general") a bias call raises the clear error; explain() says why."""
     monkeypatch.setattr(general.BACKEND, "verified", False)
-    inputs, attrs = gc.build(rng, bias=(False, False))
+    inputs, attrs = util.build(rng, bias=(False, False))
     attrs.pop("options")
-    dev = gc.to_device(cp, inputs)
+    dev = util.to_device(cp, inputs)
     with pytest.raises(cupa.PagedAttentionError, match="general: not yet verified on a GPU"):
         cupa.paged_attention(**dev, **attrs)
     assert "general: chosen" in cupa.PagedAttention(**attrs, options=GENERAL).explain(**dev)

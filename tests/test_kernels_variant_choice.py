@@ -3,7 +3,7 @@
 The compact prefill tiles and the 2-stage tensor-core decode pipeline exist for GPUs whose shared memory
 per CTA (sm_86/89/120: 99 KB) or per SM (sm_80: 164 KB) does not take the default ones at the CTAs per
 SM their registers are sized for; a device that fits no variant is declined with the bytes needed
-(explain() prints it), never launched into CUDA_ERROR_INVALID_VALUE. tests/test_kernel_fit.py checks the
+(explain() prints it), never launched into CUDA_ERROR_INVALID_VALUE. tests/test_kernels_fit.py checks the
 same choices against ptxas's static shared memory.
 """
 

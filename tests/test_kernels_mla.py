@@ -238,10 +238,10 @@ def test_kernels_compile_without_spills():
 
 
 def test_reference_runs_the_latent_builder(rng):
-    """tests/gpu_cases.build_latent on the NumPy reference: the shapes the GPU tests use, lse included."""
-    from tests import gpu_cases as gc
+    """tests/util.build_latent on the NumPy reference: the shapes the GPU tests use, lse included."""
+    from tests import util
 
-    inputs, attrs = gc.build_latent(rng, B=3, H=16, q_lens=[1, 3, 0], past=[5, 70, 9], rotary=True, cache="fp8",
+    inputs, attrs = util.build_latent(rng, B=3, H=16, q_lens=[1, 3, 0], past=[5, 70, 9], rotary=True, cache="fp8",
                                     return_lse=True)
     out, lse = cupa.paged_attention(**inputs, **attrs)
     assert out.shape == (4, 16 * 512) and lse.shape == (4, 16) and np.isfinite(lse).all()

@@ -13,7 +13,7 @@ import cupa  # noqa: E402
 import cupa.torch as ct  # noqa: E402
 from cupa.contract import INPUT_NAMES  # noqa: E402
 
-from .util import check_against_reference, make_case  # noqa: E402
+from .util import assert_matches_reference, make_case  # noqa: E402
 
 #: make_case options of the opcheck cases: every kind of input the operator's schema carries
 OPCHECK_CASES = {
@@ -71,6 +71,14 @@ def torch_inputs(case, device="cpu") -> dict:
 
 def op_args(inputs: dict) -> tuple:
     return tuple(inputs[n] for n in INPUT_NAMES)
+
+
+def check_result(ref_case, out, expected, inputs):
+    """The operator's output ``out`` and caches (``inputs``, torch tensors) against a reference run: ``ref_case``
+    after the call, ``expected`` its output."""
+    caches = [(name, to_numpy(inputs[name]), ref_case.inputs[name]) for name in ("key_cache", "value_cache")
+              if inputs[name] is not None]
+    assert_matches_reference(out, expected, ref_case.dtype, caches, cache=ref_case.info["cache"])
 
 
 def reference(case, **extra):
@@ -272,8 +280,7 @@ def test_results_match_the_reference_gpu(rng, cuda, kind):
     inputs = torch_inputs(case, cuda)
     got = ct.paged_attention(**inputs, **case.attrs)
     assert got.device == cuda
-    value_cache = None if inputs["value_cache"] is None else to_numpy(inputs["value_cache"])
-    check_against_reference(ref, expected, to_numpy(got), to_numpy(inputs["key_cache"]), value_cache)
+    check_result(ref, to_numpy(got), expected, inputs)
 
 
 @pytest.mark.gpu
@@ -336,6 +343,5 @@ def test_torch_cuda_graph_capture_and_replay(rng, cuda):
         expected = ref_case.run()
         graph.replay()
         torch.cuda.synchronize()
-        check_against_reference(ref_case, expected, to_numpy(out), to_numpy(inputs["key_cache"]),
-                                to_numpy(inputs["value_cache"]))
+        check_result(ref_case, to_numpy(out), expected, inputs)
     del scope

@@ -14,7 +14,6 @@ import pytest
 
 import cupa
 from cupa import dispatch
-from tests import gpu_cases as gc
 from tests import isolation, util
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +33,7 @@ def cp():
 
 def _problem(cp, case, **extra):
     op = cupa.PagedAttention(**dict(case.attrs, **extra))
-    return op._problem(op._bind((), gc.to_device(cp, case.inputs)))
+    return op._problem(op._bind((), util.to_device(cp, case.inputs)))
 
 
 def _serving_reasons(cp, case, backend, **extra) -> list:
@@ -50,7 +49,7 @@ def _serving_reasons(cp, case, backend, **extra) -> list:
 
 def _run(cp, case, backend, **extra):
     """One call on CuPy copies of the case's inputs with output poisoned (NaN); host results."""
-    dev = gc.to_device(cp, case.inputs)
+    dev = util.to_device(cp, case.inputs)
     out = cp.full(_problem(cp, case, **extra).output_shape, np.nan, dtype=dev["query"].dtype)
     result = cupa.paged_attention(**dev, out=out, options=cupa.Options(backend=backend), **dict(case.attrs, **extra))
     result = result if isinstance(result, tuple) else (result,)
@@ -80,8 +79,8 @@ def test_rows_a_token_does_not_admit_never_reach_it(cp, rng, backend, mask, cach
         for extra in variants:
             clean = _run(cp, case, backend, **extra)
             assert np.all(np.isfinite(clean[0].astype(np.float32))), "unwritten or non-finite output without poison"
-            err = gc.rel_error(clean[0], reference)
-            assert err < gc.TOLERANCE[case.dtype], f"clean run against the reference: relative error {err:.3g}"
+            err = util.rel_err(clean[0], reference)
+            assert err < util.TOLERANCE[case.dtype], f"clean run against the reference: relative error {err:.3g}"
             poisoned = _run(cp, dirty, backend, **extra)
             stats = isolation.check_isolated(clean, poisoned, dense, slots, qk_output=extra.get("qk_output", 0),
                                              return_lse=extra.get("return_lse", False))

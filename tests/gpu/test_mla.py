@@ -5,7 +5,7 @@ have passed on a device) and runs twice on compute capability 9.0: the wgmma ker
 mma.sync kernel (``_tuning.mla_wgmma=False``). Fresh random data every run; outputs poisoned with NaN,
 every element and every cache byte checked; lse against the reference where asked.
 
-    PYTHONPATH=$PWD python -m pytest -q -s tests/test_mla_gpu.py
+    PYTHONPATH=$PWD python -m pytest -q -s tests/gpu/test_mla.py
 """
 
 import math
@@ -15,11 +15,11 @@ import pytest
 
 import cupa
 from cupa.options import _Tuning
-from tests import gpu_cases as gc
+from tests import util
 
 pytestmark = pytest.mark.gpu
 
-D, DV, ROPE, NOPE = gc.MLA_D, gc.MLA_DV, gc.MLA_ROPE, 128
+D, DV, ROPE, NOPE = util.MLA_D, util.MLA_DV, util.MLA_ROPE, 128
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def path(request, cp):
 
 
 def engine(cp, inputs, attrs, metadata=None) -> str:
-    text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs), attention_metadata=metadata)
+    text = cupa.PagedAttention(**attrs).explain(**util.to_device(cp, inputs), attention_metadata=metadata)
     assert "mla: chosen" in text, text
     return "wgmma" if "warpgroup MMA" in text else "mma"
 
@@ -50,11 +50,11 @@ def check_latent(cp, inputs, attrs, *, dtype="float16", cache="T", metadata=None
     """Reference on a copy, the MLA backend on CuPy copies with a NaN-poisoned out=; every output element, the
     cache bytes and (return_lse) lse. Returns (output, lse, device inputs) of the GPU call."""
     ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-    ref = cupa.paged_attention(**ref_in, attention_metadata=metadata, **gc.host_attrs(attrs))
+    ref = cupa.paged_attention(**ref_in, attention_metadata=metadata, **util.host_attrs(attrs))
     ref_out, ref_lse = ref if attrs.get("return_lse") else (ref, None)
     if expect_engine is not None:
         assert engine(cp, inputs, attrs, metadata) == expect_engine
-    dev = gc.to_device(cp, inputs)
+    dev = util.to_device(cp, inputs)
     N, H = inputs["query"].shape[0], attrs["num_heads"]
     out = cp.full((N, H * DV), np.nan, dtype=dev["query"].dtype)
     got = cupa.paged_attention(**dev, attention_metadata=metadata, out=out, **attrs)
@@ -64,10 +64,8 @@ def check_latent(cp, inputs, attrs, *, dtype="float16", cache="T", metadata=None
     assert got is out or got.data.ptr == out.data.ptr
     cp.cuda.get_current_stream().synchronize()
     host = cp.asnumpy(out)
-    assert not np.isnan(host.astype(np.float32)).any(), "output has unwritten (NaN-poisoned) elements"
-    err = gc.rel_error(host, ref_out)
-    assert err < gc.TOLERANCE[dtype], f"relative error {err:.3g} >= {gc.TOLERANCE[dtype]}"
-    gc.assert_cache_close(cp.asnumpy(dev["key_cache"]), ref_in["key_cache"], cache, dtype, "key_cache")
+    caches = [("key_cache", cp.asnumpy(dev["key_cache"]), ref_in["key_cache"])]
+    util.assert_matches_reference(host, ref_out, dtype, caches, cache=cache)
     if lse is not None:
         lse = cp.asnumpy(lse)
         assert lse.shape == ref_lse.shape and lse.dtype == np.float32
@@ -78,7 +76,7 @@ def check_latent(cp, inputs, attrs, *, dtype="float16", cache="T", metadata=None
 
 
 def latent(rng, path, **kw):
-    inputs, attrs = gc.build_latent(rng, **kw)
+    inputs, attrs = util.build_latent(rng, **kw)
     attrs["options"] = _options(path)
     return inputs, attrs
 
@@ -147,7 +145,7 @@ def test_paging_shuffled_shared_unmapped_and_poisoned(cp, rng, path, cache):
     for table in ("shared", "unmapped"):
         inputs, attrs = latent(rng, path, B=4, H=64, block_size=16, cache=cache, block_table=table,
                                past=[200, 170, 3, 81], q_lens=[1, 4, 1, 2])
-        assert gc.poison_unused_cache_rows(inputs, 16) > 0
+        assert util.poison_unused_cache_rows(inputs, 16) > 0
         check_latent(cp, inputs, attrs, cache=cache)
 
 
@@ -155,13 +153,13 @@ def test_paging_shuffled_shared_unmapped_and_poisoned(cp, rng, path, cache):
 def test_slot_mapping_with_skips(cp, rng, path, cache):
     """Explicit slots, some -1 (writes skipped, the cache rows stay as they were; the token still attends)."""
     inputs, attrs = latent(rng, path, B=3, H=32, cache=cache, q_lens=[3, 1, 2], past=[100, 9, 0])
-    slots = gc.derived_slots(inputs, 64)
+    slots = util.derived_slots(inputs, 64)
     slots[1] = slots[4] = -1
     inputs["slot_mapping"] = np.asarray(slots, dtype=np.int32)
     before = inputs["key_cache"].copy()
     out, _, dev = check_latent(cp, inputs, attrs, cache=cache)
     after = cp.asnumpy(dev["key_cache"]).reshape(-1, D)
-    for s in gc.derived_slots(inputs, 64):
+    for s in util.derived_slots(inputs, 64):
         if s not in slots:
             np.testing.assert_array_equal(after[s].view(np.uint8), before.reshape(-1, D)[s].view(np.uint8))
 
@@ -183,7 +181,8 @@ def _absorbed_pair(rng, H=16, q_lens=(1, 3, 1), past=(90, 40, 7), bs=16):
     """One problem in both forms, float16, from one random latent: absorbed (576/512, one latent head) and
     non-absorbed (192/192 with V zero-padded past 128, kv_num_heads = H) with random W_UK, W_UV."""
     T = np.float16
-    q_lens, past, _, N, cum, bt, NB = gc.random_sequences(rng, len(q_lens), q_lens, past, bs, None, "shuffled", 2)
+    cum, bt, NB = util.paged_layout(rng, q_lens, past, bs, extra_blocks=2, extra_cols=2, unused_cols="neg")
+    N = int(sum(q_lens))
     past = np.asarray(past, np.int32)
     W_UK = rng.standard_normal((H, NOPE, DV)) / math.sqrt(DV)
     W_UV = rng.standard_normal((H, NOPE, DV)) / math.sqrt(DV)
@@ -218,14 +217,14 @@ def test_absorbed_equals_non_absorbed_on_the_gpu(cp, rng, path):
     absorbed, abs_attrs, nonabs, na_attrs, W_UV, N, H = _absorbed_pair(rng)
     abs_attrs["options"] = _options(path)
     out_abs, _, _ = check_latent(cp, absorbed, abs_attrs)
-    dev = gc.to_device(cp, nonabs)
+    dev = util.to_device(cp, nonabs)
     out_na = cp.asnumpy(cupa.paged_attention(**dev, **na_attrs, options=cupa.Options(backend="decode")))
     ref_na = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in nonabs.items()},
                                   **na_attrs)
-    assert gc.rel_error(out_na, ref_na) < gc.TOLERANCE["float16"]
+    assert util.rel_err(out_na, ref_na) < util.TOLERANCE["float16"]
     proj = np.einsum("hvr,nhr->nhv", W_UV, cp.asnumpy(out_abs).reshape(N, H, DV).astype(np.float64))
     na = out_na.reshape(N, H, NOPE + ROPE).astype(np.float64)
-    err = gc.rel_error(proj, na[..., :NOPE])
+    err = util.rel_err(proj, na[..., :NOPE])
     assert err < 5e-3, f"absorbed vs non-absorbed: relative error {err:.3g}"
     assert not na[..., NOPE:].any()  # the zero V padding stays zero
 
@@ -327,7 +326,7 @@ def test_deepseek_v2_lite_layer_prefill_then_decode(cp, rng, path):
                 p /= p.sum(-1, keepdims=True)
                 want.append(np.einsum("hl,lhc->hc", p, v[:t + 1]).reshape(H * NOPE))
         want = np.asarray(want) @ W_o
-        errors.append(gc.rel_error(got, want))
+        errors.append(util.rel_err(got, want))
     print(f"DeepSeek-V2-Lite layer ({path}): relative error per step {['%.2e' % e for e in errors]}")
     assert max(errors) < 1e-2, errors
 
@@ -342,7 +341,7 @@ def test_graph_capture_of_a_decode_step(cp, rng, path):
     inputs, attrs = latent(rng, path, B=B, H=H, past=[300, 17, 1000, 64], max_blocks=32)
     md = np.array([1, 32 * 64], dtype=np.int32)
     host = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-    dev = gc.to_device(cp, inputs)
+    dev = util.to_device(cp, inputs)
     out = cp.empty((B, H * DV), dtype=dev["query"].dtype)
     graph = cupa.capture_graph(lambda: cupa.paged_attention(**dev, attention_metadata=md, out=out, **attrs))
     with graph:
@@ -357,10 +356,11 @@ def test_graph_capture_of_a_decode_step(cp, rng, path):
                 out.fill(np.nan)
                 graph.replay()
                 graph.stream.synchronize()
-            ref = cupa.paged_attention(**host, attention_metadata=md, **gc.host_attrs(attrs))
-            err = gc.rel_error(cp.asnumpy(out), ref)
-            assert err < gc.TOLERANCE["float16"], f"step {step}: relative error {err:.3g}"
-            gc.assert_cache_close(cp.asnumpy(dev["key_cache"]), host["key_cache"], "T", "float16", "key_cache")
+            ref = cupa.paged_attention(**host, attention_metadata=md, **util.host_attrs(attrs))
+            err = util.rel_err(cp.asnumpy(out), ref)
+            assert err < util.TOLERANCE["float16"], f"step {step}: relative error {err:.3g}"
+            util.assert_cache_close(cp.asnumpy(dev["key_cache"]), host["key_cache"], steps=1, what="key_cache",
+                                    fp32_rows=True)
 
 
 # ---- fp8 on a latent shared by 128 heads (seed 20.8) ------------------------------------------
@@ -384,9 +384,9 @@ def test_fp8_latent_accuracy_report(cp, rng, path, kq):
         fp8_attrs = dict(attrs, k_quant_type=kq, k_cache_dtype="float8e4m3fn")
         out, lse, _ = check_latent(cp, fp8, fp8_attrs, cache="fp8")  # the kernel on the codes: SPEC tolerance
         exact_out, exact_lse = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v)
-                                                       for k, v in inputs.items()}, **gc.host_attrs(attrs))
+                                                       for k, v in inputs.items()}, **util.host_attrs(attrs))
         got = cp.asnumpy(out).astype(np.float64)
-        err = gc.rel_error(got, exact_out)
+        err = util.rel_err(got, exact_out)
         dlse = np.abs(lse - exact_lse)
         print(f"fp8 latent {kq:11s} H={H:3d} ({path}): output relative error {err:.3e}, "
               f"max |out - out_fp16| {np.abs(got - exact_out.astype(np.float64)).max():.3e}, "

@@ -14,7 +14,7 @@ from cupa import PagedAttentionError, arrays, jit
 
 pytestmark = pytest.mark.gpu
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 import cupa
-from tests import gpu_cases as gc
+from tests import util
 
 
 def test_bad_values_raise_only_when_asked(rng):
-    inputs, attrs = gc.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
+    inputs, attrs = util.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
     bad = dict(inputs, block_table=inputs["block_table"].copy())
     bad["block_table"][1, 0] = inputs["key_cache"].shape[0] + 3
     cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in bad.items()}, **attrs)
@@ -20,7 +20,7 @@ def test_bad_values_raise_only_when_asked(rng):
 
 def test_torch_cpu_inputs_are_checked_too(rng):
     torch = pytest.importorskip("torch")
-    inputs, attrs = gc.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
+    inputs, attrs = util.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
     t = {k: torch.from_numpy(v.copy()) for k, v in inputs.items()}
     t["past_seqlens"][0] = -4
     with pytest.raises(cupa.PagedAttentionError, match=r"^past_seqlens: got "):
@@ -30,8 +30,8 @@ def test_torch_cpu_inputs_are_checked_too(rng):
 @pytest.mark.gpu
 def test_device_inputs_are_copied_back_and_checked(rng):
     cp = pytest.importorskip("cupy")
-    inputs, attrs = gc.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=64)
-    dev = gc.to_device(cp, inputs)
+    inputs, attrs = util.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=64)
+    dev = util.to_device(cp, inputs)
     dev["cumulative_sequence_length"][2] = 1
     with pytest.raises(cupa.PagedAttentionError, match=r"^cumulative_sequence_length: got "):
         cupa.paged_attention(**dev, **attrs, options=cupa.Options(validate_data=True))

@@ -2,17 +2,17 @@
 
 Quick tier: the unmarked-slow tests (run after every kernel change). Full matrix: `slow`.
 Every run draws fresh random data, poisons the output with NaN and checks every element and
-cache byte (tests/gpu_cases.py). Each case asserts first that dispatch picks the prefill backend.
+cache byte (tests/util.py). Each case asserts first that dispatch picks the prefill backend.
 On compute capability 9.0 the wgmma prefill serves most of these calls by default; every test here
 runs with cupa.Options(backend="prefill") so that the mma.sync kernel stays checked on the device we
-have (tests/test_prefill_wgmma_gpu.py checks the wgmma kernel).
+have (tests/gpu/test_prefill_wgmma.py checks the wgmma kernel).
 """
 
 import numpy as np
 import pytest
 
 import cupa
-from tests import gpu_cases as gc
+from tests import util
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def mma_sync_prefill(monkeypatch):
     """The mma.sync prefill, also where the wgmma prefill would serve the call."""
-    monkeypatch.setattr(gc, "OPTIONS", cupa.Options(backend="prefill"))
+    monkeypatch.setattr(util, "OPTIONS", cupa.Options(backend="prefill"))
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +31,13 @@ def cp():
 
 
 def chosen_backend(cp, inputs, attrs, metadata=None) -> str:
-    text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs), attention_metadata=metadata)
+    text = cupa.PagedAttention(**attrs).explain(**util.to_device(cp, inputs), attention_metadata=metadata)
     return next(line.split(":")[0] for line in text.splitlines() if ": chosen" in line)
 
 
 def check_prefill(cp, inputs, attrs, *, dtype="float16", cache="T", metadata=None):
     assert chosen_backend(cp, inputs, attrs, metadata) == "prefill"
-    return gc.check_against_reference(cp, inputs, attrs, dtype=dtype, cache=cache, metadata=metadata)
+    return util.check_against_reference(cp, inputs, attrs, dtype=dtype, cache=cache, metadata=metadata)
 
 
 def reversed_positions(inputs):
@@ -52,22 +52,22 @@ def reversed_positions(inputs):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_prefill_ragged(cp, rng, dtype):
-    inputs, attrs = gc.build(rng, q_lens=[37, 0, 64], past=[0, 0, 0], H=8, Hk=2, D=128, dtype=dtype)
+    inputs, attrs = util.build(rng, q_lens=[37, 0, 64], past=[0, 0, 0], H=8, Hk=2, D=128, dtype=dtype)
     check_prefill(cp, inputs, attrs, dtype=dtype)
 
 
 def test_prefill_chunked(cp, rng):
-    inputs, attrs = gc.build(rng, q_lens=[300], past=[1000], H=8, Hk=2, D=128, block_size=16)
+    inputs, attrs = util.build(rng, q_lens=[300], past=[1000], H=8, Hk=2, D=128, block_size=16)
     check_prefill(cp, inputs, attrs)
 
 
 def test_prefill_gqa_32_8(cp, rng):
-    inputs, attrs = gc.build(rng, q_lens=[100, 57], past=[0, 30], H=32, Hk=8, D=128, block_size=16, rotary=True)
+    inputs, attrs = util.build(rng, q_lens=[100, 57], past=[0, 30], H=32, Hk=8, D=128, block_size=16, rotary=True)
     check_prefill(cp, inputs, attrs)
 
 
 def test_prefill_int8(cp, rng):
-    inputs, attrs = gc.build(rng, q_lens=[45, 80], past=[20, 0], H=8, Hk=2, D=128, cache="int8",
+    inputs, attrs = util.build(rng, q_lens=[45, 80], past=[20, 0], H=8, Hk=2, D=128, cache="int8",
                              k_quant="PER_CHANNEL", v_quant="PER_TENSOR")
     check_prefill(cp, inputs, attrs, cache="int8")
 
@@ -78,9 +78,9 @@ def test_prefill_int8(cp, rng):
 def test_prefill_nan_in_unread_cache_rows(cp, rng, block_size, D, dtype, cache):
     """NaN (fp8: 0x7F) in every cache row no sequence reads -- past each sequence's last key, evicted and
     spare blocks -- never reaches the output (a tile's masked rows are zero-filled)."""
-    inputs, attrs = gc.build(rng, q_lens=[70, 0, 130, 9], past=[40, 5, 300, 0], H=8, Hk=2, D=D, dtype=dtype,
+    inputs, attrs = util.build(rng, q_lens=[70, 0, 130, 9], past=[40, 5, 300, 0], H=8, Hk=2, D=D, dtype=dtype,
                              cache=cache, block_size=block_size, block_table="unmapped")
-    assert gc.poison_unused_cache_rows(inputs, block_size) > 0
+    assert util.poison_unused_cache_rows(inputs, block_size) > 0
     check_prefill(cp, inputs, attrs, dtype=dtype, cache=cache)
 
 
@@ -97,14 +97,14 @@ def test_prologue_several_tokens_per_cta(cp, rng, variant):
     elif variant == "int8":
         kw.update(cache="int8", k_quant="PER_CHANNEL", v_quant="PER_TENSOR")
         cache = "int8"
-    inputs, attrs = gc.build(rng, **kw)
+    inputs, attrs = util.build(rng, **kw)
     if variant == "slot_mapping_skip":
-        slots = gc.derived_slots(inputs, 16)
+        slots = util.derived_slots(inputs, 16)
         for i in (0, 1, 5, 1501, 2949):
             slots[i] = -1
         inputs["slot_mapping"] = np.asarray(slots, dtype=np.int32)
     op = cupa.PagedAttention(**attrs)
-    plan = op.plan(**gc.to_device(cp, inputs))
+    plan = op.plan(**util.to_device(cp, inputs))
     assert prologue.prologue_grid(plan.problem, plan.device.sm_count)[1] >= 2
     check_prefill(cp, inputs, attrs, cache=cache)
 
@@ -124,13 +124,13 @@ def test_prologue_plain_copies_in_many_passes(cp, rng, variant):
         kw.update(rotary=True)
     plain_rows = Hk if variant == "rotary_slot_skip" else 2 * Hk
     assert plain_rows * 128 * 2 // 16 > 8 * 32
-    inputs, attrs = gc.build(rng, **kw)
+    inputs, attrs = util.build(rng, **kw)
     if variant == "rotary_slot_skip":
-        slots = gc.derived_slots(inputs, 16)
+        slots = util.derived_slots(inputs, 16)
         for i in (0, 2, 279, 280, 2000):
             slots[i] = -1
         inputs["slot_mapping"] = np.asarray(slots, dtype=np.int32)
-    plan = cupa.PagedAttention(**attrs).plan(**gc.to_device(cp, inputs))
+    plan = cupa.PagedAttention(**attrs).plan(**util.to_device(cp, inputs))
     assert prologue.prologue_grid(plan.problem, plan.device.sm_count) == (1, 2)
     check_prefill(cp, inputs, attrs)
 
@@ -139,17 +139,17 @@ def test_prologue_plain_copies_in_many_passes(cp, rng, variant):
 def test_prefill_new_keys_from_inputs(cp, rng, monkeypatch, dtype):
     """New K/V read from key/value (no past; new rows that are another sequence's past in the same call;
     the prologue beside the kernel): the reference, and the same bits as the cache route."""
-    gc.check_new_keys_cases(cp, rng, backend="prefill", dtype=dtype, head_sizes=(64, 128))
+    util.check_new_keys_cases(cp, rng, backend="prefill", dtype=dtype, head_sizes=(64, 128))
 
 
 def test_prefill_window_sink_softcap(cp, rng):
-    inputs, attrs = gc.build(rng, q_lens=[90, 3, 40], past=[50, 7, 0], H=8, Hk=2, D=64, window=33, sink=True,
+    inputs, attrs = util.build(rng, q_lens=[90, 3, 40], past=[50, 7, 0], H=8, Hk=2, D=64, window=33, sink=True,
                              softcap=30.0)
     check_prefill(cp, inputs, attrs)
 
 
 def test_prefill_deterministic_and_metadata_bits(cp, rng):
-    inputs, attrs = gc.build(rng, q_lens=[150, 20, 77], past=[0, 600, 33], H=16, Hk=4, D=128)
+    inputs, attrs = util.build(rng, q_lens=[150, 20, 77], past=[0, 600, 33], H=16, Hk=4, D=128)
     cap = inputs["block_table"].shape[1] * 16
     outs = []
     for md in (None, [150, 620], [1000, cap], [150, 620, 100], None):
@@ -161,30 +161,30 @@ def test_prefill_deterministic_and_metadata_bits(cp, rng):
 
 
 def test_explain_chooses_prefill_for_many_tokens(cp, rng, monkeypatch):
-    monkeypatch.setattr(gc, "OPTIONS", None)
-    inputs, attrs = gc.build(rng, q_lens=[5, 3], past=[10, 10], H=8, Hk=2, D=128, cache="int8")
-    text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
+    monkeypatch.setattr(util, "OPTIONS", None)
+    inputs, attrs = util.build(rng, q_lens=[5, 3], past=[10, 10], H=8, Hk=2, D=128, cache="int8")
+    text = cupa.PagedAttention(**attrs).explain(**util.to_device(cp, inputs))
     assert "prefill: chosen" in text and "token_count (8) > batch_size (2)" in text, text
     assert "decode: eligible but not preferred" in text, text
     # token_count == batch_size: decode-shaped, the decode backend runs it
-    inputs, attrs = gc.build(rng, q_lens=[1, 1], past=[10, 10], H=8, Hk=2, D=128)
+    inputs, attrs = util.build(rng, q_lens=[1, 1], past=[10, 10], H=8, Hk=2, D=128)
     assert chosen_backend(cp, inputs, attrs) == "decode"
 
 
 @pytest.mark.parametrize("case", ["float32", "head_size_96"])
 def test_unsupported_shapes_fall_back_to_decode(cp, rng, monkeypatch, case):
-    monkeypatch.setattr(gc, "OPTIONS", None)
+    monkeypatch.setattr(util, "OPTIONS", None)
     kw = dict(dtype="float32") if case == "float32" else dict(D=96)
-    inputs, attrs = gc.build(rng, q_lens=[20, 9], past=[5, 0], H=4, Hk=2, **kw)
-    text = cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
+    inputs, attrs = util.build(rng, q_lens=[20, 9], past=[5, 0], H=4, Hk=2, **kw)
+    text = cupa.PagedAttention(**attrs).explain(**util.to_device(cp, inputs))
     assert "prefill: not eligible" in text and "decode: chosen" in text, text
-    gc.check_against_reference(cp, inputs, attrs, dtype=kw.get("dtype", "float16"))
+    util.check_against_reference(cp, inputs, attrs, dtype=kw.get("dtype", "float16"))
 
 
 def test_prefill_graph_capture(cp, rng):
     """The call captures into a CUDA graph on a CuPy stream: proof of no host synchronization."""
-    inputs, attrs = gc.build(rng, q_lens=[40, 25], past=[100, 0], H=8, Hk=2, D=128)
-    gc.check_graph_capture(cp, inputs, attrs, metadata=[40, 140])
+    inputs, attrs = util.build(rng, q_lens=[40, 25], past=[100, 0], H=8, Hk=2, D=128)
+    util.check_graph_capture(cp, inputs, attrs, metadata=[40, 140])
 
 
 # ---- full matrix (slow) -----------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_prefill_graph_capture(cp, rng):
 @pytest.mark.slow
 @pytest.mark.parametrize("block_size", [1, 8, 16, 64, 256, 512])
 def test_matrix_block_sizes(cp, rng, block_size):
-    inputs, attrs = gc.build(rng, q_lens=[70, 0, 130, 1], past=[0, 300, 20, 700], H=8, Hk=2, D=128,
+    inputs, attrs = util.build(rng, q_lens=[70, 0, 130, 1], past=[0, 300, 20, 700], H=8, Hk=2, D=128,
                              block_size=block_size)
     check_prefill(cp, inputs, attrs)
 
@@ -201,7 +201,7 @@ def test_matrix_block_sizes(cp, rng, block_size):
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_matrix_head_sizes(cp, rng, D, dtype):
-    inputs, attrs = gc.build(rng, q_lens=[61, 130, 9], past=[0, 45, 300], H=8, Hk=2, D=D, dtype=dtype, rotary=True,
+    inputs, attrs = util.build(rng, q_lens=[61, 130, 9], past=[0, 45, 300], H=8, Hk=2, D=D, dtype=dtype, rotary=True,
                              rotary_dim=min(D, 64))
     check_prefill(cp, inputs, attrs, dtype=dtype)
 
@@ -209,20 +209,20 @@ def test_matrix_head_sizes(cp, rng, D, dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("past", [0, 1000, 8192])
 def test_matrix_chunked_prefill(cp, rng, past):
-    inputs, attrs = gc.build(rng, q_lens=[256, 64], past=[past, past // 2], H=8, Hk=2, D=128, block_size=16)
+    inputs, attrs = util.build(rng, q_lens=[256, 64], past=[past, past // 2], H=8, Hk=2, D=128, block_size=16)
     check_prefill(cp, inputs, attrs)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("H,Hk", [(4, 4), (6, 2), (8, 1), (32, 8), (40, 8), (64, 2), (128, 1), (256, 1)])
 def test_matrix_groups(cp, rng, H, Hk):
-    inputs, attrs = gc.build(rng, q_lens=[33, 0, 20], past=[10, 5, 0], H=H, Hk=Hk, D=64)
+    inputs, attrs = util.build(rng, q_lens=[33, 0, 20], past=[10, 5, 0], H=H, Hk=Hk, D=64)
     check_prefill(cp, inputs, attrs)
 
 
 @pytest.mark.slow
 def test_matrix_ragged_zero_token_sequences(cp, rng):
-    inputs, attrs = gc.build(rng, q_lens=[0, 5, 0, 133, 1, 0, 70, 0], past=[3, 0, 0, 40, 900, 0, 0, 17], H=8, Hk=2,
+    inputs, attrs = util.build(rng, q_lens=[0, 5, 0, 133, 1, 0, 70, 0], past=[3, 0, 0, 40, 900, 0, 0, 17], H=8, Hk=2,
                              D=128)
     check_prefill(cp, inputs, attrs)
 
@@ -230,7 +230,7 @@ def test_matrix_ragged_zero_token_sequences(cp, rng):
 @pytest.mark.slow
 @pytest.mark.parametrize("window", [-1, 1, 24])
 def test_matrix_not_causal(cp, rng, window):
-    inputs, attrs = gc.build(rng, q_lens=[40, 7, 90], past=[0, 30, 64], H=8, Hk=2, D=64, is_causal=0, window=window)
+    inputs, attrs = util.build(rng, q_lens=[40, 7, 90], past=[0, 30, 64], H=8, Hk=2, D=64, is_causal=0, window=window)
     check_prefill(cp, inputs, attrs)
 
 
@@ -238,7 +238,7 @@ def test_matrix_not_causal(cp, rng, window):
 @pytest.mark.parametrize("is_causal", [0, 1])
 def test_matrix_query_positions(cp, rng, is_causal):
     # positions reversed within each sequence: every row of a tile has its own causal range
-    inputs, attrs = gc.build(rng, q_lens=[70, 2, 150], past=[10, 0, 64], H=8, Hk=2, D=128, query_positions=True,
+    inputs, attrs = util.build(rng, q_lens=[70, 2, 150], past=[10, 0, 64], H=8, Hk=2, D=128, query_positions=True,
                              is_causal=is_causal, window=50, rotary=True)
     reversed_positions(inputs)
     check_prefill(cp, inputs, attrs)
@@ -249,7 +249,7 @@ def test_matrix_query_positions(cp, rng, is_causal):
 @pytest.mark.parametrize("rotary,interleaved", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_matrix_prologue(cp, rng, norm, rotary, interleaved, packed):
-    inputs, attrs = gc.build(rng, q_lens=[50, 0, 77], past=[0, 4, 31], H=8, Hk=2, D=128, qk_norm=norm, rotary=rotary,
+    inputs, attrs = util.build(rng, q_lens=[50, 0, 77], past=[0, 4, 31], H=8, Hk=2, D=128, qk_norm=norm, rotary=rotary,
                              interleaved=interleaved, packed=packed, rotary_dim=64, rotary_offset=32 if rotary else 0)
     check_prefill(cp, inputs, attrs)
 
@@ -260,7 +260,7 @@ def test_matrix_prologue(cp, rng, norm, rotary, interleaved, packed):
 @pytest.mark.parametrize("kq", ["PER_TENSOR", "PER_CHANNEL"])
 @pytest.mark.parametrize("vq", ["PER_TENSOR", "PER_CHANNEL"])
 def test_matrix_quant(cp, rng, dtype, cache, kq, vq):
-    inputs, attrs = gc.build(rng, q_lens=[64, 9, 100], past=[0, 200, 40], H=8, Hk=2, D=128, dtype=dtype, cache=cache,
+    inputs, attrs = util.build(rng, q_lens=[64, 9, 100], past=[0, 200, 40], H=8, Hk=2, D=128, dtype=dtype, cache=cache,
                              k_quant=kq, v_quant=vq, rotary=True, sink=True)
     check_prefill(cp, inputs, attrs, dtype=dtype, cache=cache)
 
@@ -269,7 +269,7 @@ def test_matrix_quant(cp, rng, dtype, cache, kq, vq):
 @pytest.mark.parametrize("D", [64, 256])
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
 def test_matrix_quant_head_sizes(cp, rng, D, cache):
-    inputs, attrs = gc.build(rng, q_lens=[64, 100], past=[7, 40], H=8, Hk=2, D=D, cache=cache,
+    inputs, attrs = util.build(rng, q_lens=[64, 100], past=[7, 40], H=8, Hk=2, D=D, cache=cache,
                              k_quant="PER_CHANNEL", v_quant="PER_CHANNEL")
     check_prefill(cp, inputs, attrs, cache=cache)
 
@@ -277,15 +277,15 @@ def test_matrix_quant_head_sizes(cp, rng, D, cache):
 @pytest.mark.slow
 @pytest.mark.parametrize("table", ["shared", "unmapped"])
 def test_matrix_block_tables(cp, rng, table):
-    inputs, attrs = gc.build(rng, q_lens=[50, 60, 30], past=[70, 80, 90], H=8, Hk=2, D=128, block_table=table,
+    inputs, attrs = util.build(rng, q_lens=[50, 60, 30], past=[70, 80, 90], H=8, Hk=2, D=128, block_table=table,
                              block_size=16)
     check_prefill(cp, inputs, attrs)
 
 
 @pytest.mark.slow
 def test_matrix_slot_mapping_skip(cp, rng):
-    inputs, attrs = gc.build(rng, q_lens=[20, 31], past=[0, 5], H=8, Hk=2, D=64)
-    slots = gc.derived_slots(inputs, 16)
+    inputs, attrs = util.build(rng, q_lens=[20, 31], past=[0, 5], H=8, Hk=2, D=64)
+    slots = util.derived_slots(inputs, 16)
     slots[3] = -1
     slots[40] = -1
     inputs["slot_mapping"] = np.asarray(slots, dtype=np.int32)
@@ -294,7 +294,7 @@ def test_matrix_slot_mapping_skip(cp, rng):
 
 @pytest.mark.slow
 def test_matrix_malformed_lengths_and_blocks(cp, rng):
-    inputs, attrs = gc.build(rng, q_lens=[12, 9, 30, 17, 6], past=[10, 20, 30, 40, 0], H=8, Hk=2, D=128,
+    inputs, attrs = util.build(rng, q_lens=[12, 9, 30, 17, 6], past=[10, 20, 30, 40, 0], H=8, Hk=2, D=128,
                              query_positions=True)
     inputs["past_seqlens"][1] = -5                       # invalid sequence: zeros, no write
     inputs["past_seqlens"][2] = 10**6                    # beyond the table: invalid
@@ -307,7 +307,7 @@ def test_matrix_malformed_lengths_and_blocks(cp, rng):
 @pytest.mark.parametrize("layout", ["padding", "leading_gap", "decreasing", "negative", "beyond_n"])
 def test_matrix_malformed_cum(cp, rng, layout):
     """Tokens outside every sequence get zeros; any cum gives the reference's one outcome."""
-    inputs, attrs = gc.build(rng, q_lens=[20, 35, 9, 40], past=[5, 0, 60, 11], H=8, Hk=2, D=64)
+    inputs, attrs = util.build(rng, q_lens=[20, 35, 9, 40], past=[5, 0, 60, 11], H=8, Hk=2, D=64)
     cum = inputs["cumulative_sequence_length"]
     N = int(cum[-1])
     if layout == "padding":          # trailing tokens that no sequence owns
@@ -330,5 +330,5 @@ def test_matrix_large_batch_mixed(cp, rng):
     B = 300
     q_lens = [int(x) for x in rng.integers(0, 3, size=B)]
     q_lens[7] = 200
-    inputs, attrs = gc.build(rng, q_lens=q_lens, past=[int(x) for x in rng.integers(0, 300, size=B)], H=8, Hk=2, D=128)
+    inputs, attrs = util.build(rng, q_lens=q_lens, past=[int(x) for x in rng.integers(0, 300, size=B)], H=8, Hk=2, D=128)
     check_prefill(cp, inputs, attrs)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import cupa
-from tests import gpu_cases as gc
+from tests import util
 from tests.test_launch_fastpath import FakeCupy, fake_case, fake_cupy
 
 
 def test_host_same_or_overlapping_caches(rng):
-    inputs, attrs = gc.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
+    inputs, attrs = util.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
     with pytest.raises(cupa.PagedAttentionError, match="value_cache: got memory overlapping key_cache \\(the same "
                                                        "buffer\\); expected a cache of its own"):
         cupa.paged_attention(**{**inputs, "value_cache": inputs["key_cache"]}, **attrs)
@@ -24,7 +24,7 @@ def test_host_same_or_overlapping_caches(rng):
 
 
 def test_host_out_overlapping_an_input(rng):
-    inputs, attrs = gc.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
+    inputs, attrs = util.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
     q = inputs["query"]
     with pytest.raises(cupa.PagedAttentionError, match="out: got memory overlapping query"):
         cupa.paged_attention(**inputs, **attrs, out=q)
@@ -52,7 +52,7 @@ def test_interleaved_pages_only_when_asked(rng):
     """transformers' paged cache: one buffer, V pages one page after K pages (block ids even). An error by
     default; accepted with Options(kv_pages_interleaved=True), where the result is that of separate caches.
     A shift by a fraction of a block stays an error."""
-    inputs, attrs = gc.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16, spare_blocks=0)
+    inputs, attrs = util.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16, spare_blocks=0)
     nb, bs, hk, d = inputs["key_cache"].shape
     buf = np.empty((2 * nb + 1, bs, hk, d), inputs["key_cache"].dtype)
     buf[0:2 * nb:2], buf[1:2 * nb + 1:2] = inputs["key_cache"], inputs["value_cache"]

@@ -10,7 +10,7 @@ import pytest
 
 import cupa
 from cupa import dispatch, states
-from tests import gpu_cases as gc
+from tests import util
 from tests.util import T_DTYPES, assert_within_ulp, rel_err, shard_block_tables, ulp
 
 pytestmark = pytest.mark.gpu
@@ -132,15 +132,15 @@ LSE_CASES = {
 
 def _lse_reference(inputs, attrs):
     ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-    return cupa.paged_attention(**ref_in, **gc.host_attrs(attrs), return_lse=True)
+    return cupa.paged_attention(**ref_in, **util.host_attrs(attrs), return_lse=True)
 
 
 @pytest.mark.parametrize("case", sorted(LSE_CASES))
 @pytest.mark.parametrize("backend", dispatch.CUDA_BACKENDS)
 def test_return_lse_on_every_backend(cp, rng, case, backend):
-    inputs, attrs = gc.build(rng, **LSE_CASES[case])
-    attrs = gc.with_options(attrs, backend=backend)
-    dev = gc.to_device(cp, inputs)
+    inputs, attrs = util.build(rng, **LSE_CASES[case])
+    attrs = util.with_options(attrs, backend=backend)
+    dev = util.to_device(cp, inputs)
     op = cupa.PagedAttention(**attrs, return_lse=True)
     problem = op._problem(op._bind((), dev))
     device = dispatch.device_info(dev["query"].data.device_id)
@@ -150,20 +150,20 @@ def test_return_lse_on_every_backend(cp, rng, case, backend):
     want_out, want_lse = _lse_reference(inputs, attrs)
     out, lse = op(**dev)
     host = cp.asnumpy(out)
-    assert gc.rel_error(host, want_out) < gc.TOLERANCE[problem.dtype]
+    assert util.rel_err(host, want_out) < util.TOLERANCE[problem.dtype]
     _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
-    again_out, again_lse = cupa.PagedAttention(**attrs, return_lse=True)(**gc.to_device(cp, inputs))
+    again_out, again_lse = cupa.PagedAttention(**attrs, return_lse=True)(**util.to_device(cp, inputs))
     assert np.array_equal(cp.asnumpy(again_lse), cp.asnumpy(lse)), "lse not deterministic"
 
 
 @pytest.mark.parametrize("backend", dispatch.CUDA_BACKENDS)
 def test_return_lse_of_invalid_and_unowned_tokens(cp, rng, backend):
     """Tokens of an invalid sequence, and tokens no sequence owns (the prefill zero pass), get -inf."""
-    inputs, attrs = gc.build(rng, q_lens=[40, 9, 30], past=[5, 3, 0], H=8, Hk=2, D=128, sink=True)
+    inputs, attrs = util.build(rng, q_lens=[40, 9, 30], past=[5, 3, 0], H=8, Hk=2, D=128, sink=True)
     inputs["past_seqlens"][1] = -1
     inputs["cumulative_sequence_length"][-1] -= 7
-    attrs = gc.with_options(attrs, backend=backend)
-    dev = gc.to_device(cp, inputs)
+    attrs = util.with_options(attrs, backend=backend)
+    dev = util.to_device(cp, inputs)
     op = cupa.PagedAttention(**attrs, return_lse=True)
     problem = op._problem(op._bind((), dev))
     served = next(b for b in dispatch.cuda_backends() if b.name == backend)
@@ -174,15 +174,15 @@ def test_return_lse_of_invalid_and_unowned_tokens(cp, rng, backend):
     assert np.isneginf(want_lse[40:49]).all() and np.isneginf(want_lse[-7:]).all()
     out, lse = op(**dev)
     _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
-    assert gc.rel_error(cp.asnumpy(out), want_out) < gc.TOLERANCE["float16"]
+    assert util.rel_err(cp.asnumpy(out), want_out) < util.TOLERANCE["float16"]
 
 
 def test_return_lse_costs_no_other_bits(cp, rng):
     """The output with return_lse is the output without it, bit for bit (same launches, one more store)."""
     for case in ("decode_fp16", "prefill_fp16"):
-        inputs, attrs = gc.build(rng, **LSE_CASES[case])
-        plain = cupa.paged_attention(**gc.to_device(cp, inputs), **attrs)
-        with_lse, _ = cupa.paged_attention(**gc.to_device(cp, inputs), **attrs, return_lse=True)
+        inputs, attrs = util.build(rng, **LSE_CASES[case])
+        plain = cupa.paged_attention(**util.to_device(cp, inputs), **attrs)
+        with_lse, _ = cupa.paged_attention(**util.to_device(cp, inputs), **attrs, return_lse=True)
         assert np.array_equal(cp.asnumpy(plain).view(np.uint16), cp.asnumpy(with_lse).view(np.uint16)), case
 
 
@@ -190,20 +190,20 @@ def test_return_lse_costs_no_other_bits(cp, rng):
 
 @pytest.mark.parametrize("case", ["decode_fp16", "decode_int8_window", "prefill_fp16"])
 def test_key_shards_merge_to_the_unsplit_call_on_the_device(cp, rng, case):
-    inputs, attrs = gc.build(rng, **LSE_CASES[case])
+    inputs, attrs = util.build(rng, **LSE_CASES[case])
     want_out, want_lse = _lse_reference(inputs, attrs)
     tables = shard_block_tables(rng, inputs["block_table"], 3, how="ranges")
-    dev = gc.to_device(cp, inputs)
+    dev = util.to_device(cp, inputs)
     sink = dev.pop("head_sink", None)
     parts = [cupa.paged_attention(**dict(dev, block_table=cp.asarray(t)), **attrs, return_lse=True) for t in tables]
     out, lse = cupa.merge_states([p[0] for p in parts], [p[1] for p in parts], head_sink=sink)
-    assert gc.rel_error(cp.asnumpy(out), want_out) < gc.TOLERANCE[np.dtype(inputs["query"].dtype).name]
+    assert util.rel_err(cp.asnumpy(out), want_out) < util.TOLERANCE[np.dtype(inputs["query"].dtype).name]
     _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
 
 
 def _shared_prefix(rng, B=16, prefix=512, own=(0, 100), **kw):
     past = [prefix + int(x) for x in rng.integers(own[0], own[1] + 1, size=B)]
-    inputs, attrs = gc.build(rng, q_lens=[1] * B, past=past, H=32, Hk=8, D=128, **kw)
+    inputs, attrs = util.build(rng, q_lens=[1] * B, past=past, H=32, Hk=8, D=128, **kw)
     bt = inputs["block_table"]
     bt[:, :prefix // 16] = bt[0, :prefix // 16]
     return inputs, attrs
@@ -217,14 +217,14 @@ def test_cascade_equals_the_plain_call_on_the_device(cp, rng, mode, features):
         mode = "auto"
     inputs, attrs = _shared_prefix(rng, **features)
     want_out, want_lse = _lse_reference(inputs, attrs)
-    plain = gc.to_device(cp, inputs)
+    plain = util.to_device(cp, inputs)
     plain_out = cupa.paged_attention(**plain, **attrs)
-    dev = gc.to_device(cp, inputs)
+    dev = util.to_device(cp, inputs)
     op = cupa.CascadeAttention(prefix_len=512, prefix_mode=mode, return_lse=True, **attrs)
     out, lse = op(**dev)
     dtype = np.dtype(inputs["query"].dtype).name
-    assert gc.rel_error(cp.asnumpy(out), want_out) < gc.TOLERANCE[dtype]
-    assert gc.rel_error(cp.asnumpy(out), cp.asnumpy(plain_out)) < gc.TOLERANCE[dtype]
+    assert util.rel_err(cp.asnumpy(out), want_out) < util.TOLERANCE[dtype]
+    assert util.rel_err(cp.asnumpy(out), cp.asnumpy(plain_out)) < util.TOLERANCE[dtype]
     _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
     for name in ("key_cache", "value_cache"):
         assert np.array_equal(cp.asnumpy(dev[name]).view(np.uint8), cp.asnumpy(plain[name]).view(np.uint8)), name
@@ -234,18 +234,18 @@ def test_cascade_with_torch_tensors(cp, torch_cuda, rng):
     torch = torch_cuda
     inputs, attrs = _shared_prefix(rng, B=8, sink=True)
     want_out = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()},
-                                    **gc.host_attrs(attrs))
+                                    **util.host_attrs(attrs))
     t = {k: (torch.from_numpy(v).cuda() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
     out = cupa.CascadeAttention(prefix_len=512, **attrs)(**t)
     assert isinstance(out, torch.Tensor) and out.is_cuda
-    assert gc.rel_error(out.float().cpu().numpy(), want_out) < gc.TOLERANCE["float16"]
+    assert util.rel_err(out.float().cpu().numpy(), want_out) < util.TOLERANCE["float16"]
 
 
 def test_steps_that_merge_are_capturable(cp, rng):
     """Two shard calls + merge_states, and a cascade step, captured and replayed: the eager bits."""
     inputs, attrs = _shared_prefix(rng, B=8, sink=True)
     md = np.array([1, 2048], np.int32)
-    dev = gc.to_device(cp, inputs)
+    dev = util.to_device(cp, inputs)
     sink = dev.pop("head_sink")
     tables = [cp.asarray(t) for t in shard_block_tables(rng, inputs["block_table"], 2)]
     out = cp.empty((8, 32 * 128), np.float16)

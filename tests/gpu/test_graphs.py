@@ -14,7 +14,7 @@ import pytest
 
 import cupa
 from cupa import graphs, jit
-from tests import gpu_cases as gc
+from tests import util
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,7 @@ class Growth:
     """
 
     def __init__(self, rng, *, past0, steps, D=128, block_size=16, dtype="float16", max_blocks=None, spare=3):
-        T = gc.NP_DTYPES[dtype]
+        T = util.T_DTYPES[dtype]
         self.dtype, self.D, self.block_size, self.steps = dtype, D, block_size, steps
         self.B = B = len(past0)
         self.past0 = np.asarray(past0, dtype=np.int32)
@@ -139,8 +139,8 @@ def same_bits(a, b) -> bool:
 
 
 def check_reference(got, ref, dtype):
-    err = gc.rel_error(got, ref)
-    assert err < gc.TOLERANCE[dtype], f"relative error {err:.3g} >= {gc.TOLERANCE[dtype]}"
+    err = util.rel_err(got, ref)
+    assert err < util.TOLERANCE[dtype], f"relative error {err:.3g} >= {util.TOLERANCE[dtype]}"
 
 
 # -- 1. replay follows growing sequences ------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_replay_follows_growing_sequences(cp, rng, dtype, D, steps):
     for name in ("kc", "vc"):
         got = cp.asnumpy(getattr(graph_state, name))
         assert same_bits(got, cp.asnumpy(getattr(eager_state, name))), f"{name}: graph and eager caches differ"
-        gc.assert_cache_close(got, getattr(host, name), "T", dtype, name)
+        util.assert_cache_close(got, getattr(host, name), steps=1, what=name, fp32_rows=True)
     g.close()
     assert g.closed
 
@@ -240,7 +240,8 @@ def test_undersized_bound_is_memory_safe(cp, rng):
             eager_state.advance()
     cp.cuda.runtime.deviceSynchronize()                     # a fault would surface here
     for name in ("kc", "vc"):                               # nothing but the new tokens was written
-        gc.assert_cache_close(cp.asnumpy(getattr(graph_state, name)), getattr(host, name), "T", "float16", name)
+        util.assert_cache_close(cp.asnumpy(getattr(graph_state, name)), getattr(host, name), steps=1, what=name,
+                                fp32_rows=True)
     g.close()
 
 

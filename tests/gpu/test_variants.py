@@ -4,7 +4,7 @@ Backend choice reads the DeviceInfo of the inputs' device; here it is given the 
 (and compute capability) of an sm_86-class GPU (99 KB per CTA, 100 KB per SM) or of an A100 (163 KB
 per CTA, 164 KB per SM) while the kernels run on the real device, so the compact prefill tiles
 (128 x 32 at D=128, 64 x 32 at D=256) and the 2-stage tensor-core decode pipeline are checked
-against the NumPy reference (every output element and cache byte, tests/gpu_cases.py) on an H200.
+against the NumPy reference (every output element and cache byte, tests/util.py) on an H200.
 """
 
 import dataclasses
@@ -16,8 +16,8 @@ import cupa
 from cupa import api, dispatch
 from cupa.device import describe_capability
 from cupa.kernels import decode, prefill
-from tests import gpu_cases as gc
-from tests import test_nonfinite_gpu as nonfinite
+from tests import util
+from tests.gpu import test_nonfinite as nonfinite
 
 pytestmark = pytest.mark.gpu
 
@@ -57,7 +57,7 @@ def sm80(monkeypatch):
 
 
 def explain(cp, inputs, attrs):
-    return cupa.PagedAttention(**attrs).explain(**gc.to_device(cp, inputs))
+    return cupa.PagedAttention(**attrs).explain(**util.to_device(cp, inputs))
 
 
 @pytest.mark.parametrize("D,tile", [(128, (128, 32)), (256, (64, 32))])
@@ -68,26 +68,26 @@ def test_prefill_compact_tiles(cp, rng, sm86, D, tile, dtype, cache, block_size)
     """The compact tiles on a 99 KB GPU: a ragged chunked prefill with a window and sinks (D=256 on 4 warps
     copies T rows in two swizzle phases)."""
     assert prefill.tile_for(D, cache != "T", sm86) == tile
-    inputs, attrs = gc.build(rng, q_lens=[150, 0, 77, 33], past=[40, 9, 0, 300], H=8, Hk=2, D=D, dtype=dtype,
+    inputs, attrs = util.build(rng, q_lens=[150, 0, 77, 33], past=[40, 9, 0, 300], H=8, Hk=2, D=D, dtype=dtype,
                              cache=cache, block_size=block_size, window=200, sink=True)
     text = explain(cp, inputs, attrs)
     assert "prefill: chosen" in text and f"tile of {tile[0]} " in text and f"keys in tiles of {tile[1]} " in text, text
-    gc.check_against_reference(cp, inputs, attrs, dtype=dtype, cache=cache)
+    util.check_against_reference(cp, inputs, attrs, dtype=dtype, cache=cache)
 
 
 def test_prefill_compact_tile_on_sm_80(cp, rng, sm80):
     """On an A100 the D=128 default tile (103 KB) would leave one CTA per SM: the 128 x 32 tile runs two."""
     assert prefill.tile_for(128, False, sm80) == (128, 32) and prefill.tile_for(256, False, sm80) == (128, 32)
-    inputs, attrs = gc.build(rng, q_lens=[300, 45], past=[0, 700], H=16, Hk=4, D=128)
+    inputs, attrs = util.build(rng, q_lens=[300, 45], past=[0, 700], H=16, Hk=4, D=128)
     assert "keys in tiles of 32 " in explain(cp, inputs, attrs)
-    gc.check_against_reference(cp, inputs, attrs)
+    util.check_against_reference(cp, inputs, attrs)
 
 
 @pytest.mark.parametrize("D,tile", [(128, (128, 32)), (256, (64, 32))])
 def test_prefill_compact_tiles_keep_nonfinite_keys_out(cp, rng, sm86, D, tile):
     """Inf/NaN new V rows of the causal future inside a compact tile leave the earlier tokens' bits alone."""
     assert prefill.tile_for(D, False, sm86) == tile
-    clean, attrs = gc.build(rng, q_lens=[150, 97], past=[0, 0], H=16, Hk=4, D=D)
+    clean, attrs = util.build(rng, q_lens=[150, 97], past=[0, 0], H=16, Hk=4, D=D)
     bad = {0: [37, 100], 1: [20]}
     poisoned = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in clean.items()}
     cum = clean["cumulative_sequence_length"]
@@ -112,10 +112,10 @@ def test_decode_two_stage_pipeline(cp, rng, monkeypatch, capability, D, cache, H
     try:
         assert decode.mma_stages(D, cache != "T", like, 2) == 2
         for block_size in (16, 1):
-            inputs, attrs = gc.build(rng, B=6, H=H, Hk=Hk, D=D, dtype=dtype, cache=cache, block_size=block_size,
+            inputs, attrs = util.build(rng, B=6, H=H, Hk=Hk, D=D, dtype=dtype, cache=cache, block_size=block_size,
                                      past=[2000, 1, 63, 64, 700, 130], window=1000, softcap=30.0, sink=True)
             text = explain(cp, inputs, attrs)
             assert "decode: chosen" in text and "2-stage K/V pipeline" in text, text
-            gc.check_against_reference(cp, inputs, attrs, dtype=dtype, cache=cache)
+            util.check_against_reference(cp, inputs, attrs, dtype=dtype, cache=cache)
     finally:
         api._bound_op.cache_clear()

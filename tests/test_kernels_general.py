@@ -16,7 +16,7 @@ from cupa import dispatch, jit
 from cupa.device import SHARED_OPTIN_BY_CAPABILITY, describe_capability
 from cupa.kernels import backend as kbackend
 from cupa.kernels import general, launch, registry
-from tests import gpu_cases as gc
+from tests import util
 from tests.test_dispatch import problem_of
 
 H200 = describe_capability(9, 0)
@@ -40,7 +40,7 @@ def test_general_is_last_and_serves_every_feature_but_packed_caches():
     assert dispatch.CUDA_BACKENDS[-1] == "general"
     b = dispatch.cuda_backends()[-1]
     assert b is general.BACKEND and b.name == "general"
-    assert b.verified  # tests/test_general_gpu.py and the differential fuzz pass on an H200
+    assert b.verified  # tests/gpu/test_general.py and the differential fuzz pass on an H200
     assert b.serves == frozenset(kbackend.FEATURES) - {"subbyte"} == {"latent", "bias", "output_qk", "return_lse"}
     assert "general" in cupa.options.BACKEND_NAMES
 
@@ -245,11 +245,11 @@ def test_build_cases_run_on_the_reference(rng):
                dict(bias=(True, False), bias_pad=(-5, -9), bias_neg_inf=0.1, qk_output=1, window=20),
                dict(latent=True, D=64, v_head_size=40, scale=0.3, cache="fp8", k_quant="PER_TENSOR",
                     bias=(True, True), return_lse=True)):
-        inputs, attrs = gc.build(rng, **kw)
-        out, *extra = cupa.paged_attention(**inputs, **gc.host_attrs(attrs))
+        inputs, attrs = util.build(rng, **kw)
+        out, *extra = cupa.paged_attention(**inputs, **util.host_attrs(attrs))
         assert out.shape == (inputs["query"].shape[0], attrs["num_heads"] * (kw.get("v_head_size") or kw.get("D", 64)))
         assert len(extra) == bool(kw.get("qk_output")) + bool(kw.get("return_lse"))
-        result = gc.split_outputs((out, *extra), attrs)
+        result = util.split_result((out, *extra), attrs.get("qk_output", 0), attrs.get("return_lse", False))
         if "bias_neg_inf" in kw:  # the first query of sequence 0 admits no finite key at head 0: zeros
             assert not np.asarray(result[0][0, :64], dtype=np.float32).any()
             assert np.asarray(result[0][0, 64:], dtype=np.float32).any()
@@ -260,7 +260,7 @@ def test_build_cases_run_on_the_reference(rng):
 def test_output_qk_byte_limit_is_checked_before_any_allocation(rng, monkeypatch):
     """Options.output_qk_max_bytes: a device call whose output_qk (H * N * kv_capacity float32) exceeds it fails
     in validation naming the size, before a backend is chosen or anything allocated; at the limit it plans."""
-    inputs, attrs = gc.build(rng, q_lens=[3, 2], past=[5, 9], H=4, Hk=2, D=64, qk_output=2)
+    inputs, attrs = util.build(rng, q_lens=[3, 2], past=[5, 9], H=4, Hk=2, D=64, qk_output=2)
     N, H, cap = 5, 4, inputs["block_table"].shape[1] * 16
     size = H * N * cap * 4
     monkeypatch.setattr(dispatch, "call_device", lambda inputs: 0)

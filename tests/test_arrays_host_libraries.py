@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cupa
-from tests import gpu_cases as gc
+from tests import util
 
 
 def _numpy_result(inputs, attrs, **kw):
@@ -20,7 +20,7 @@ def _numpy_result(inputs, attrs, **kw):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_torch_cpu_tensors_run_the_reference_and_come_back_as_torch(rng, dtype):
     torch = pytest.importorskip("torch")
-    inputs, attrs = gc.build(rng, q_lens=[3, 1], past=[5, 9], H=4, Hk=2, D=16, dtype=dtype)
+    inputs, attrs = util.build(rng, q_lens=[3, 1], past=[5, 9], H=4, Hk=2, D=16, dtype=dtype)
     want, after = _numpy_result(inputs, attrs)
     t = {}
     for k, v in inputs.items():
@@ -42,7 +42,7 @@ def test_torch_cpu_tensors_run_the_reference_and_come_back_as_torch(rng, dtype):
 
 def test_torch_cpu_extra_outputs_and_fp8_caches(rng):
     torch = pytest.importorskip("torch")
-    inputs, attrs = gc.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16, cache="int8")
+    inputs, attrs = util.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16, cache="int8")
     want, _ = _numpy_result(inputs, attrs, return_lse=True, qk_output=1)
     t = {k: torch.from_numpy(v.copy()) for k, v in inputs.items()}
     out, qk, lse = cupa.paged_attention(**t, **attrs, return_lse=True, qk_output=1)
@@ -50,7 +50,7 @@ def test_torch_cpu_extra_outputs_and_fp8_caches(rng):
     for a, b in zip((out, qk, lse), want):
         assert np.array_equal(a.numpy(), b)
     fp8 = torch.float8_e4m3fn
-    inputs, attrs = gc.build(rng, q_lens=[1, 1], past=[5, 9], H=4, Hk=2, D=16, cache="fp8")
+    inputs, attrs = util.build(rng, q_lens=[1, 1], past=[5, 9], H=4, Hk=2, D=16, cache="fp8")
     want, after = _numpy_result(inputs, attrs)
     t = {k: torch.from_numpy(v.copy()) for k, v in inputs.items()}
     t["key_cache"], t["value_cache"] = t["key_cache"].view(fp8), t["value_cache"].view(fp8)
@@ -62,7 +62,7 @@ def test_torch_cpu_extra_outputs_and_fp8_caches(rng):
 
 def test_torch_errors_name_the_input(rng):
     torch = pytest.importorskip("torch")
-    inputs, attrs = gc.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
+    inputs, attrs = util.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
     t = {k: torch.from_numpy(v.copy()) for k, v in inputs.items()}
     with pytest.raises(cupa.PagedAttentionError, match="key_cache: got a non-contiguous"):
         cupa.paged_attention(**{**t, "key_cache": torch.cat([t["key_cache"]] * 2, dim=-1)[..., ::2]}, **attrs)
@@ -80,7 +80,7 @@ def test_torch_errors_name_the_input(rng):
 
 def test_mixed_numpy_and_torch_cpu_inputs_are_all_host(rng):
     torch = pytest.importorskip("torch")
-    inputs, attrs = gc.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
+    inputs, attrs = util.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
     want, _ = _numpy_result(inputs, attrs)
     mixed = dict(inputs, query=torch.from_numpy(inputs["query"].copy()))
     got = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in mixed.items()},
@@ -90,7 +90,7 @@ def test_mixed_numpy_and_torch_cpu_inputs_are_all_host(rng):
 
 def test_jax_cpu_arrays_run_the_reference_and_a_jax_cache_is_an_error(rng):
     jnp = pytest.importorskip("jax.numpy")
-    inputs, attrs = gc.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
+    inputs, attrs = util.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
     want, _ = _numpy_result(inputs, attrs)
     x = {k: (v if k.endswith("_cache") else jnp.asarray(v)) for k, v in inputs.items()}
     got = cupa.paged_attention(**x, **attrs)
@@ -102,7 +102,7 @@ def test_jax_cpu_arrays_run_the_reference_and_a_jax_cache_is_an_error(rng):
 
 def test_a_device_input_among_host_inputs_is_named(rng):
     """A CUDA array among CPU arrays: the error names it (a DLPack producer claiming CUDA memory)."""
-    inputs, attrs = gc.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
+    inputs, attrs = util.build(rng, q_lens=[2, 1], past=[5, 9], H=4, Hk=2, D=16)
 
     class OnGpu:
         shape, dtype = inputs["past_seqlens"].shape, inputs["past_seqlens"].dtype

@@ -39,8 +39,8 @@ def test_explicit_slots_equal_derived(rng, opts):
     case = util.make_case(rng, q_lens=(4, 0, 7, 1), past=(9, 3, 0, 30), **opts)
     explicit = case.copy()
     pos = case.info["positions"]
-    explicit.inputs["slot_mapping"] = util.derived_slots(case.inputs["block_table"], pos, case.q_lens,
-                                                         case.info["block_size"]).astype(np.int32)
+    slots = util.derived_slots(case.inputs, case.info["block_size"], positions=pos)
+    explicit.inputs["slot_mapping"] = slots.astype(np.int32)
     assert (explicit.inputs["slot_mapping"] >= 0).all()
     r1, r2 = case.run(), explicit.run()
     _same_bits(r1, r2)
@@ -55,7 +55,7 @@ def test_skipped_slots_leave_cache_and_match_prepopulated(rng, opts):
     N = case.token_count
     skip = np.zeros(N, dtype=bool)
     skip[[0, 1, 2, 6, 9, 10]] = True            # leading tokens of seq0 and seq2, first of seq1
-    slots = util.derived_slots(case.inputs["block_table"], case.info["positions"], case.q_lens, 16)
+    slots = util.derived_slots(case.inputs, 16, positions=case.info["positions"])
 
     full = case.copy()
     r_full = full.run()                         # writes every token
@@ -169,13 +169,13 @@ def test_unmapped_blocks_are_masked(rng):
 def test_nan_in_rows_no_sequence_reads_never_reaches_the_output(rng, table, opts):
     """NaN in every cache row no sequence reads (past each sequence's keys, unmapped and spare blocks) leaves
     the output bit-identical: masked keys are zeroed, not multiplied by their zero probability."""
-    from tests import gpu_cases as gc
+    from tests import util
 
     for block_size in (1, 8, 24, 64):
-        inputs, attrs = gc.build(rng, q_lens=[30, 0, 45, 1], past=[40, 5, 130, 77], H=4, Hk=2, D=32,
+        inputs, attrs = util.build(rng, q_lens=[30, 0, 45, 1], past=[40, 5, 130, 77], H=4, Hk=2, D=32,
                                  block_size=block_size, block_table=table, **opts)
         clean = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-        assert gc.poison_unused_cache_rows(inputs, block_size) > 0
+        assert util.poison_unused_cache_rows(inputs, block_size) > 0
         _same_bits(cupa.paged_attention(**inputs, **attrs), cupa.paged_attention(**clean, **attrs))
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cupa
-from tests import gpu_cases as gc
+from tests import util
 
 pytestmark = pytest.mark.gpu
 
@@ -75,7 +75,7 @@ def poison_cache_rows(inputs, b, positions, value, block_size):
 
 
 def run(cp, inputs, attrs, backend):
-    dev = gc.to_device(cp, {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()})
+    dev = util.to_device(cp, {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()})
     out = cupa.paged_attention(**dev, **attrs, options=cupa.Options(backend=backend))
     return cp.asnumpy(out)
 
@@ -86,7 +86,7 @@ def check_isolated(cp, clean, poisoned_inputs, attrs, poisoned, backend, *, dtyp
     ref = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in clean.items()},
                                **attrs)
     want = run(cp, clean, attrs, backend)
-    assert gc.rel_error(want, ref) < gc.TOLERANCE[dtype]
+    assert util.rel_err(want, ref) < util.TOLERANCE[dtype]
     got = run(cp, poisoned_inputs, attrs, backend)
     keep = untouched(clean, attrs, poisoned)
     assert keep.any() and not keep.all(), "the case must have tokens on both sides"
@@ -105,7 +105,7 @@ def test_prefill_new_rows_of_the_causal_future(cp, rng, backend, dtype, which, v
     """Causal prefill without a past: new K or V rows of tokens in the middle of a tile (and of a
     128-row work item) are Inf/NaN; the earlier tokens of the same tile never admit them."""
     backend_or_skip(cp, backend)
-    clean, attrs = gc.build(rng, q_lens=[150, 70, 0, 97], past=[0, 0, 0, 0], H=16, Hk=4, D=128, dtype=dtype)
+    clean, attrs = util.build(rng, q_lens=[150, 70, 0, 97], past=[0, 0, 0, 0], H=16, Hk=4, D=128, dtype=dtype)
     bad = {0: [37, 100, 149], 1: [5], 3: [64]}
     poisoned = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in clean.items()}
     cum = clean["cumulative_sequence_length"]
@@ -125,7 +125,7 @@ def test_prefill_past_rows_left_of_a_window(cp, rng, backend, is_causal, dtype, 
         pytest.skip("the wgmma prefill reads T caches only")
     backend_or_skip(cp, backend)
     bs = 16
-    clean, attrs = gc.build(rng, q_lens=[64, 90, 33], past=[300, 40, 7], H=16, Hk=4, D=128, dtype=dtype,
+    clean, attrs = util.build(rng, q_lens=[64, 90, 33], past=[300, 40, 7], H=16, Hk=4, D=128, dtype=dtype,
                             cache=cache, window=48, is_causal=is_causal, block_size=bs)
     bad = {0: [260, 280, 299], 1: [10, 20], 2: [3]}
     poisoned = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in clean.items()}
@@ -141,7 +141,7 @@ def test_prefill_rows_without_keys_write_zeros(cp, rng, backend):
     other rows admit a V row holding NaN (the rows without keys are not masked on such tiles)."""
     backend_or_skip(cp, backend)
     bs = 16
-    clean, attrs = gc.build(rng, q_lens=[80, 40], past=[200, 0], H=16, Hk=4, D=128, block_size=bs,
+    clean, attrs = util.build(rng, q_lens=[80, 40], past=[200, 0], H=16, Hk=4, D=128, block_size=bs,
                             query_positions=True)
     pos = clean["query_positions"]
     pos[3:80:5] = -1  # invalid tokens in every tile of sequence 0
@@ -160,7 +160,7 @@ def test_decode_rows_outside_the_window(cp, rng, dtype, cache, is_causal):
     sequence admits and another does not (window edges, is_causal=0 included); masked rows of a key
     tile are zero-filled, so no staged row reaches a token that does not admit it."""
     bs = 16
-    clean, attrs = gc.build(rng, q_lens=[3, 1, 2, 1], past=[50, 10, 300, 70], H=8, Hk=2, D=128, dtype=dtype,
+    clean, attrs = util.build(rng, q_lens=[3, 1, 2, 1], past=[50, 10, 300, 70], H=8, Hk=2, D=128, dtype=dtype,
                             cache=cache, window=20, is_causal=is_causal, block_size=bs)
     bad = {0: [31, 33], 2: [282, 283, 290], 3: [49, 50]}
     poisoned = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in clean.items()}

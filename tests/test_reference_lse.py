@@ -49,7 +49,7 @@ def shard_cases(case, cuts):
     """Copies of ``case`` whose block tables map logical blocks [cuts[i], cuts[i+1]) only, writing every
     new token to its derived slot (so each shard's cache holds every write), without head_sink."""
     bt = case.inputs["block_table"]
-    slots = util.derived_slots(bt, case.info["positions"], case.q_lens, case.info["block_size"])
+    slots = util.derived_slots(case.inputs, case.info["block_size"], positions=case.info["positions"])
     edges = [0, *cuts, bt.shape[1]]
     shards = []
     for lo, hi in zip(edges[:-1], edges[1:]):
