@@ -164,8 +164,11 @@ def test_decode_graph_capture(cp, rng):
 
 
 @pytest.mark.parametrize("feature", ["bias", "qk_output", "latent"])
-def test_decode_unsupported_features_raise(cp, rng, feature):
+def test_decode_backend_declines_what_it_does_not_serve(cp, rng, feature):
+    """Named, the decode backend raises a PagedAttentionError naming the feature (auto gives such calls to
+    the mla or general backend)."""
     inputs, attrs = util.build(rng, B=2, H=4, Hk=1, D=64)
+    attrs["options"] = cupa.Options(backend="decode")
     dev = util.to_device(cp, inputs)
     if feature == "bias":
         dev["attention_bias"] = cp.zeros((1, 1, 1, 512), dtype=cp.float16) + 1
