@@ -36,8 +36,7 @@
 // never reaches its output: masked scores are selected to -inf, V rows that meet P = 0 in a tile are
 // cleaned of Inf / NaN before the product (clean_v), and rows without admitted keys write zeros.
 // Ordering: TMA writes complete the full barriers' tx bytes (expect_tx by the issuing lane first),
-// the copiers' cp.async writes are tracked by them (cp.async.mbarrier.arrive), the scheduler's Q
-// rows are waited for (cp.async.wait_all) before its q_full arrival, and the consumers run
+// cp.async writes are tracked by them (cp.async.mbarrier.arrive), and the consumers run
 // fence.proxy.async after each wait, before wgmma reads the data (async proxy); a
 // consumer releases a stage after wgmma.wait_group, whose completion orders its reads before the
 // copier's next writes (wgmma.cuh). Every wgmma is issued unconditionally (see the consumer loop).
@@ -267,12 +266,8 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             cp_async_16_or_zero(dq + wg_off<ROWS>(r, col), src, live);
           }
         }
-        // The thread's Q rows land before its arrival (no cp.async-triggered arrive-on on q_full: every
-        // arrival is a plain one after the q_empty wait, so each phase is waited before the next begins;
-        // the scheduler runs an item ahead of the consumers, so the wait is off their path).
-        cp_async_commit();
-        cp_async_wait<0>();
-        mbar_arrive(q_full(buf));  // also publishes the Q rows, sTok.. sHi and sItem (release)
+        mbar_track_cp_async(q_full(buf));
+        mbar_arrive(q_full(buf));  // also publishes sTok.. sHi and sItem (release)
         ++n;
       }
     } else {

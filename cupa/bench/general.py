@@ -11,7 +11,7 @@ each beside the same call without the feature, in the same run.
   8192) float32 output_qk). cupa's entry is the qk_output=2 call; the variants are qk_output=1, a (B, H,
   1, L) bias, the general backend with neither, and the fused decode without output_qk. The floor is
   the fused decode's time plus output_qk's bytes at the write bandwidth measured in the same run (a
-  2 GiB fill, timed like every call: L2 flushed before each run); ``ratio_to_floor`` = time / floor
+  2 GiB cudaMemsetAsync, timed like every call: L2 flushed before each run); ``ratio_to_floor`` = time / floor
   (target <= 1.5).
 - latent: LATENT 576/512, H=16, B=8, L=4096, block 64 with a (1, 1, 1, 4096) bias (informative, no
   target), beside the same call without bias.
