@@ -14,13 +14,6 @@ from tests import util
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 # ---- quick tier -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

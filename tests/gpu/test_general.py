@@ -25,13 +25,6 @@ SHAPES = {
 }
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 @pytest.fixture(autouse=True)
 def general_backend(monkeypatch):
     monkeypatch.setattr(util, "OPTIONS", GENERAL)

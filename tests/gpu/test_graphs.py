@@ -21,19 +21,9 @@ pytestmark = pytest.mark.gpu
 H, HK = 8, 2
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 @pytest.fixture
-def torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    return torch
+def torch(torch_cuda):
+    return torch_cuda
 
 
 # -- a growing decode batch -------------------------------------------------------------------------

@@ -18,16 +18,8 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture
-def cp():
-    return pytest.importorskip("cupy")
-
-
-@pytest.fixture
-def torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    return torch
+def torch(torch_cuda):
+    return torch_cuda
 
 
 @pytest.fixture

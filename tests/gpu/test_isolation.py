@@ -24,13 +24,6 @@ CACHES = tuple(c for c in isolation.CACHES if c[0] != "fp8")
 MASKS = isolation.MASKS
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def _problem(cp, case, **extra):
     op = cupa.PagedAttention(**dict(case.attrs, **extra))
     return op._problem(op._bind((), util.to_device(cp, case.inputs)))

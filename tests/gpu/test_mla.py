@@ -22,13 +22,6 @@ pytestmark = pytest.mark.gpu
 D, DV, ROPE, NOPE = util.MLA_D, util.MLA_DV, util.MLA_ROPE, 128
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def _options(path: str) -> cupa.Options:
     return cupa.Options(backend="mla", _tuning=_Tuning(mla_wgmma=path == "wgmma"))
 

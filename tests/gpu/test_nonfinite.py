@@ -17,13 +17,6 @@ from tests import util
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def capability(cp) -> tuple:
     cc = cp.cuda.Device().compute_capability
     return int(cc[:-1]), int(cc[-1])

@@ -23,13 +23,6 @@ def mma_sync_prefill(monkeypatch):
     monkeypatch.setattr(util, "OPTIONS", cupa.Options(backend="prefill"))
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def chosen_backend(cp, inputs, attrs, metadata=None) -> str:
     text = cupa.PagedAttention(**attrs).explain(**util.to_device(cp, inputs), attention_metadata=metadata)
     return next(line.split(":")[0] for line in text.splitlines() if ": chosen" in line)

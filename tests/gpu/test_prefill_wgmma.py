@@ -32,13 +32,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 @pytest.fixture(params=["tma", "cp_async"])
 def wgmma_on(request, monkeypatch):
     """The backend at its default (chosen by dispatch), with its K/V feed as chosen (TMA where it applies)

@@ -25,13 +25,6 @@ PAIRS = [("int4", None), ("fp4", None), ("int4", "fp4"), ("fp4", "int4")]
 QUANTS = [("PER_TENSOR", "PER_TENSOR"), ("PER_CHANNEL", "PER_CHANNEL"), ("PER_TENSOR", "PER_CHANNEL")]
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def run_named(cp, name, inputs, attrs, *, dtype, cache, v_cache=None, metadata=None):
     """The call through ``Options(backend=name)`` against the reference (gc.check_against_reference: NaN-poisoned
     out, every element, exact packed cache bytes); returns (plan, device output)."""

@@ -22,13 +22,6 @@ from tests.gpu import test_nonfinite as nonfinite
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def limits_of(monkeypatch, capability):
     """Backend choice sees the real device with the limits of a GPU of ``capability`` (fresh ops)."""
     real = dispatch.device_info
