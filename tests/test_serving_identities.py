@@ -114,8 +114,6 @@ def test_window_at_least_the_length_equals_full_attention(rng, xp):
 @pytest.mark.parametrize("cache_dtype,quant", [("int8", "PER_CHANNEL"), ("float8e4m3fn", "PER_TENSOR"),
                                               ("int4", "PER_CHANNEL"), ("float4e2m1", "PER_TENSOR")])
 def test_ring_buffer_quantized_cache_with_head_sink(rng, xp, cache_dtype, quant):
-    if xp is not np and cache_dtype in ("int4", "float4e2m1"):
-        pytest.skip("packed 4-bit caches: the CUDA backends serve them by name only until verified on a GPU")
     W, bs = 6, 4
     a, b = _twins(rng, xp, [serving.sliding_window(W, "ring", max_query_len=3)], [serving.sliding_window(W, "keep")],
                   bs=bs, cache_dtype=cache_dtype, quant=quant, sink=True, dtype="float16")

@@ -267,9 +267,11 @@ def packed_problem(rng, cache="int4", v_cache=None, **kw):
 
 @pytest.mark.parametrize("shape", [PREFILL_SHAPE, DECODE_SHAPE], ids=["prefill", "decode"])
 @pytest.mark.parametrize("cache,v_cache", PACKED_PAIRS)
-def test_auto_never_chooses_unverified_packed_kernels(rng, shape, cache, v_cache):
-    """Until tests/test_subbyte_gpu.py passes on a device, auto raises a PagedAttentionError naming the
-    backends to select, and explain() says why for each."""
+def test_auto_never_chooses_unverified_packed_kernels(rng, shape, cache, v_cache, monkeypatch):
+    """While a backend marks a feature unverified (CudaBackend.unverified), auto raises a PagedAttentionError
+    naming the backends to select, and explain() says why for each."""
+    monkeypatch.setattr(decode.BACKEND, "unverified", frozenset({"subbyte"}))
+    monkeypatch.setattr(prefill.BACKEND, "unverified", frozenset({"subbyte"}))
     p = packed_problem(rng, cache, v_cache, **shape)
     assert p.sub_byte and p.packed
     with pytest.raises(cupa.PagedAttentionError, match="no CUDA backend serves this call") as info:
@@ -294,7 +296,7 @@ def test_named_backends_serve_packed_caches(rng, cache, v_cache, name):
         options = cupa.Options(backend=name)
         assert dispatch.choose(p, H200, options).name == name
         chosen = next(s for s in dispatch.account(p, H200, options).splitlines() if s.startswith(f"{name}: "))
-        assert chosen.startswith(f"{name}: chosen") and NOT_VERIFIED in chosen, chosen
+        assert chosen.startswith(f"{name}: chosen") and NOT_VERIFIED not in chosen, chosen
 
 
 @pytest.mark.parametrize("name", ["prefill_wgmma", "mla", "general"])
@@ -305,10 +307,9 @@ def test_other_backends_decline_packed_caches(rng, name):
         dispatch.choose(p, H200, cupa.Options(backend=name))
 
 
-def test_once_verified_auto_chooses_decode_and_prefill(rng, monkeypatch):
-    """The gate is the backends' ``unverified`` set alone: emptied, auto picks as for any cache."""
-    monkeypatch.setattr(decode.BACKEND, "unverified", frozenset())
-    monkeypatch.setattr(prefill.BACKEND, "unverified", frozenset())
+def test_auto_chooses_decode_and_prefill(rng):
+    """Verified on an H200 (tests/gpu/test_subbyte.py): auto picks as for any cache."""
+    assert not decode.BACKEND.unverified and not prefill.BACKEND.unverified
     assert dispatch.choose(packed_problem(rng, **DECODE_SHAPE), H200, cupa.Options()).name == "decode"
     assert dispatch.choose(packed_problem(rng, **PREFILL_SHAPE), H200, cupa.Options()).name == "prefill"
     assert dispatch.choose(packed_problem(rng, dtype="float32"), H200, cupa.Options()).name == "decode"

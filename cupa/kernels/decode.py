@@ -102,7 +102,6 @@ def split_plan(problem: Problem, sm_count: int, options: Options) -> tuple:
 class DecodeBackend(CudaBackend):
     name = "decode"
     serves = frozenset({"return_lse", "subbyte"})
-    unverified = frozenset({"subbyte"})   # until tests/test_subbyte_gpu.py passes on a device
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         reasons = packed_cache_reasons(problem)

@@ -132,7 +132,6 @@ def prologue_phrase(problem: Problem, device: DeviceInfo, options: Options) -> s
 class PrefillBackend(CudaBackend):
     name = "prefill"
     serves = frozenset({"return_lse", "subbyte"})
-    unverified = frozenset({"subbyte"})   # until tests/test_subbyte_gpu.py passes on a device
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         p, reasons = problem, packed_cache_reasons(problem)

@@ -2,13 +2,12 @@
 
 The decode backend (tensor-core loops for fp16/bf16 and head_size 64/128: keys as M for GQA groups of
 <= 8 heads, head-major for larger ones; the CUDA-core kernel for fp32 and other head sizes) and the
-prefill backend, selected by name: ``Options(backend="auto")`` declines packed caches until these
-tests pass on a device (cupa.kernels.decode / prefill ``unverified``). Every run draws fresh random
+prefill backend, each selected by name, and the default choice. Every run draws fresh random
 data, poisons the output with NaN, checks every output element against the reference (the
 reference attends over the dequantized codes, so the contract's tolerance applies as for any
 cache) and requires the written cache bytes to equal the reference's exactly.
 
-    python -m pytest -m gpu tests/test_subbyte_gpu.py
+    python -m pytest -m gpu tests/gpu/test_subbyte.py
 """
 
 import numpy as np
@@ -147,11 +146,10 @@ def test_prefill_packed_qkv_rotary_positions(cp, rng, cache):
 
 # ---- the gate ---------------------------------------------------------------------------
 
-def test_auto_declines_until_verified(cp, rng):
-    """On a device too, Options(backend="auto") raises and explain() says why."""
+def test_auto_chooses_the_packed_kernels(cp, rng):
+    """Options(backend="auto") runs a packed-cache call on the decode (or prefill) backend."""
     inputs, attrs = gc.build(rng, H=8, Hk=2, D=128, cache="int4")
     dev = gc.to_device(cp, inputs)
     op = cupa.PagedAttention(**gc.host_attrs(attrs))
-    with pytest.raises(cupa.PagedAttentionError, match="not yet verified on a GPU"):
-        op(**dev)
-    assert "decode: not eligible: packed 4-bit caches" in op.explain(**dev)
+    assert op.plan(**dev).backend.name == "decode"
+    gc.check_against_reference(cp, inputs, gc.host_attrs(attrs), cache="int4")
