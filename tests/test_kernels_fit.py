@@ -34,6 +34,15 @@ KNOWN_SPILLS = {
     for dt in ("float16", "bfloat16") for kind in ("int8", "fp8") for stages in decode.MMA_STAGES
 }
 KNOWN_SPILLS.update({str(registry.prologue_spec(dt, "int8")): None for dt in types.ACT_CXX})
+#: The packed 4-bit caches (none on the target loop, keys as M): the head-major decode loop at D=128 (4 B of stores,
+#: 8 B of loads), the CUDA-core decode at 2 heads a CTA (8 B / 8 B, ptxas holds it at 96 registers) and the prologue of
+#: a mixed pair or of float32 int4 (16 B / 12 B).
+_PACKED = [(k, v) for k, v in types.KV_KINDS if k in types.PACKED_KINDS]
+KNOWN_SPILLS.update({str(registry.decode_mma_spec(dt, k, 128, stages, v_cache_kind=v)): None
+                     for dt in ("float16", "bfloat16") for k, v in _PACKED for stages in decode.MMA_STAGES})
+KNOWN_SPILLS.update({str(registry.decode_spec(dt, k, 2, v)): None for dt in types.ACT_CXX for k, v in _PACKED})
+KNOWN_SPILLS.update({str(registry.prologue_spec(dt, k, v_cache_kind=v)): None for dt in types.ACT_CXX
+                     for k, v in _PACKED if k != v or (dt == "float32" and k == "int4")})
 
 
 def nvrtc_or_skip():
