@@ -16,7 +16,7 @@ the Q workspace, :mod:`cupa.kernels.prologue`):
 - ``paged_general_finish``, under several splits or output_qk: the merge, the zeros of output_qk outside
   each row's admitted range and, under qk_output=2, the scores turned into probabilities.
 
-Verified on an H200 (tests/test_general_gpu.py, the isolation tests, the differential fuzz and
+Verified on an H200 (tests/gpu/test_general.py, the isolation tests, the differential fuzz and
 compute-sanitizer memcheck): ``Options(backend="auto")`` gives it the calls only it serves
 (attention_bias, output_qk, LATENT shapes the mla backend declines).
 """
@@ -166,7 +166,7 @@ class GeneralBackend(CudaBackend):
     backend serves."""
 
     name = "general"
-    verified = True   # tests/test_general_gpu.py, tests/test_isolation_gpu.py, python -m tests.fuzz on an H200
+    verified = True   # tests/gpu/test_general.py, tests/gpu/test_isolation.py, python -m tests.fuzz on an H200
     serves = frozenset(FEATURES) - {"subbyte"}   # its kernels read caches of whole-byte codes
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
