@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import ml_dtypes
 
+from .contract import PACKED_KINDS
 from .errors import fail
 
 __all__ = ["rope_cache", "compute_scale", "quantize", "dequantize", "check_scale", "pack_codes", "unpack_codes"]
@@ -41,8 +42,6 @@ FP8_MAX = 448.0
 INT8_MAX = 127.0
 INT4_MAX = 7.0
 FP4_MAX = 6.0
-#: the packed 4-bit kinds (two codes a byte)
-PACKED = ("int4", "fp4")
 _CACHE_DTYPES = "'int8', 'float8e4m3fn', 'int4' or 'float4e2m1'"
 #: the smallest normal float32: the least scale compute_scale returns (its reciprocal is finite)
 SCALE_MIN = float(np.finfo(np.float32).tiny)
@@ -313,7 +312,7 @@ def unpack_codes(packed, cache_dtype) -> np.ndarray:
     codes : ndarray of ml_dtypes.int4 or ml_dtypes.float4_e2m1fn, shape (..., 2 * m)
     """
     kind = _cache_kind(cache_dtype)
-    if kind not in PACKED:
+    if kind not in PACKED_KINDS:
         raise ValueError(f"cache_dtype: got {cache_dtype!r}; expected 'int4' or 'float4e2m1'")
     packed = np.asarray(packed)
     if packed.dtype != np.uint8:
@@ -368,7 +367,7 @@ def quantize(x, scale, cache_dtype="int8", as_bytes: bool = False):
     y = (x.astype(xp.float32) * inv).astype(xp.float32)
     if kind == "int8":
         return xp.fmin(xp.fmax(xp.rint(y), -128), 127).astype(xp.int8)
-    if kind in PACKED:
+    if kind in PACKED_KINDS:
         nibbles = _int4_nibbles(y, xp) if kind == "int4" else _fp4_nibbles(y, xp)
         if as_bytes or xp is not np:
             return _pack_nibbles(nibbles, xp)
@@ -417,7 +416,7 @@ def dequantize(codes, scale, cache_dtype=None):
         kind = None if cache_dtype is None else _cache_kind(cache_dtype)
         if kind == "fp8":
             vals = xp.asarray(_FP8_TABLE)[codes.astype(xp.int64)] if xp is not np else _FP8_TABLE[codes]
-        elif kind in PACKED:
+        elif kind in PACKED_KINDS:
             vals = packed_values(codes, kind, xp)
         else:
             raise ValueError(f"cache_dtype: got {cache_dtype!r} for uint8 codes; expected 'float8e4m3fn' (raw e4m3 "

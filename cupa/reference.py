@@ -410,7 +410,7 @@ class _Attention:
         ``code * scale`` (``kind``: the cache's Problem.cache_kind); a row no token of its grid row
         admits (``needed`` False) is zero whatever the cache holds there."""
         codes = rows[slots]
-        if kind in helpers.PACKED:                # two codes a byte: values first, then the zeros
+        if kind in helpers.PACKED_KINDS:                # two codes a byte: values first, then the zeros
             vals = helpers.packed_values(codes, kind)[..., :width].astype(np.float64)
             if not needed.all():
                 vals[~needed] = 0.0

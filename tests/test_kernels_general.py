@@ -48,7 +48,7 @@ def test_general_is_last_and_serves_every_feature_but_packed_caches():
 @pytest.mark.parametrize("case", ["bias", "scores", "probabilities"])
 def test_fused_backends_decline_and_the_general_backend_alone_serves(rng, case, monkeypatch):
     """Each fused backend declines with the feature's reason naming the general backend; the general backend
-    has no reason to decline, but while unverified the default choice raises the clear error that says so."""
+    has no reason to decline; marked unverified, the default choice raises the clear error that says so."""
     monkeypatch.setattr(general.BACKEND, "verified", False)
     p = problem_of(rng, **FEATURE_CASES[case])
     what = {"bias": "attention_bias", "scores": "output_qk", "probabilities": "output_qk"}[case]
@@ -84,10 +84,9 @@ def test_latent_is_served_by_the_general_backend_when_named(rng, case):
     assert "CUDA cores (LATENT)" in general.BACKEND.describe(p, H200, GENERAL)
 
 
-def test_general_wins_only_where_nothing_else_serves(rng, monkeypatch):
-    """Verified (as the GPU issue will make it), it is chosen for every call that uses a feature only it serves,
-    and never where a fused backend serves the call; its preferred() says the same."""
-    monkeypatch.setattr(general.BACKEND, "verified", True)
+def test_general_wins_only_where_nothing_else_serves(rng):
+    """It is chosen for every call that uses a feature only it serves, and never where a fused backend serves
+    the call; its preferred() says the same."""
     for case in FEATURE_CASES:
         if case == "lse":   # every fused backend serves return_lse
             continue

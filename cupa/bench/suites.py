@@ -299,8 +299,8 @@ def all_suites() -> dict:
     from .steps import GraphsSuite, HostSuite, ServingSuite
 
     mma_sync = (("mma.sync", cupa.Options(backend="prefill")),)
-    # Packed 4-bit caches run only by name until their GPU tests pass (auto: "not served"); for the
-    # other cases this variant is the default's backend and is not timed twice.
+    # The decode backend named: for the cases it serves by default it is the default's backend and is not
+    # timed twice.
     decode_named = (("decode backend", cupa.Options(backend="decode")),)
     suites = [
         AttentionSuite("decode", "one new token per sequence (decode)", decode_named),

@@ -5,8 +5,7 @@ Full sweeps (fp16, GQA 32/8, D=128, block 16 unless the sweep varies it):
 
 - decode: context length 1k..128k at B=8 for block sizes 1, 16, 64, 256; batch 1..256 at L=4096;
   head size 64/128/256; GQA ratio MHA / 4 / 8 / MQA; bf16; int8 and fp8 caches (per channel, per
-  tensor); int4 and float4 e2m1 caches (per channel, per tensor; the decode backend by name until
-  verified on a GPU); sliding window at 32k and 128k; sinks (with and without a GPT-OSS window);
+  tensor); int4 and float4 e2m1 caches (per channel, per tensor); sliding window at 32k and 128k; sinks (with and without a GPT-OSS window);
   ragged lengths; without attention_metadata.
 - prefill: length 512..16k at 16k tokens per batch (block 16 and 256, fp16; block 16, bf16); the
   B=4 x 2048 rows at block sizes 1/16/64/256; head size, GQA ratio, 8-bit caches, window, sinks,
@@ -14,8 +13,8 @@ Full sweeps (fp16, GQA 32/8, D=128, block 16 unless the sweep varies it):
 - chunked: chunks of 256/1024/2048 new tokens after 2k/8k/32k cached ones; with a window.
 - mixed: decode batches with prefill chunks in the same call (continuous batching).
 - mla: absorbed DeepSeek-V3 MLA (576/512, one latent row), batch and context sweeps, H=16/128.
-- subbyte: int4 and float4 e2m1 caches in prefill and chunked prefill (the prefill backend by
-  name until verified on a GPU; their decode cases are the decode suite's).
+- subbyte: int4 and float4 e2m1 caches in prefill and chunked prefill (their decode cases are the
+  decode suite's).
 """
 
 from __future__ import annotations

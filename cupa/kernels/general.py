@@ -18,7 +18,8 @@ the Q workspace, :mod:`cupa.kernels.prologue`):
 
 Verified on an H200 (tests/gpu/test_general.py, the isolation tests, the differential fuzz and
 compute-sanitizer memcheck): ``Options(backend="auto")`` gives it the calls only it serves
-(attention_bias, output_qk, LATENT shapes the mla backend declines).
+(attention_bias, output_qk, LATENT shapes the mla backend declines) and any call the fused backends
+decline.
 """
 
 from __future__ import annotations

@@ -101,7 +101,6 @@ class PrefillWgmmaBackend(PrefillBackend):
 
     name = "prefill_wgmma"
     serves = frozenset({"return_lse"})   # not the packed 4-bit caches PrefillBackend reads
-    unverified = frozenset()
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         p, reasons = problem, []

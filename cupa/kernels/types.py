@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..contract import PACKED_KINDS
+
 #: T (activation) dtype name -> C++ type
 ACT_CXX = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 #: cache kind -> C++ cache trait (``{T}`` is replaced by T's C++ type)
 CACHE_CXX = {"T": "CacheSame<{T}>", "int8": "CacheInt8", "fp8": "CacheFp8", "int4": "CacheInt4", "fp4": "CacheFp4"}
 #: the cache kinds every kernel reads, and the packed 4-bit ones only some do (their own V trait beside K's)
 BYTE_KINDS = ("T", "int8", "fp8")
-PACKED_KINDS = ("int4", "fp4")
 #: (K kind, V kind) pairs of the packed 4-bit caches the kernels read
 PACKED_PAIRS = tuple((k, v) for k in PACKED_KINDS for v in PACKED_KINDS)
 #: (K kind, V kind) of every cache pair the decode and prefill kernels read: one kind for both, or two
