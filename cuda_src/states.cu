@@ -16,8 +16,9 @@
 // cascade_inputs: the index arrays of a cascade step (cupa/cascade.py) in one launch, one element
 // per thread of a grid-stride loop: the position at which each packed token attends the shared
 // prefix (locate_token's position for a token valid in the plain call, else -1), the suffix call's
-// past_seqlens and query_positions (shifted down by the prefix length; -1 where that is negative or
-// the value was negative), its block table (the columns after the prefix blocks) and the prefix
+// past_seqlens and query_positions (shifted down by the prefix length; -1 where the value was
+// negative, and negative -- an invalid sequence or token of the suffix call -- where it was below the
+// prefix length), its block table (the columns after the prefix blocks) and the prefix
 // call's block table (row 0's prefix blocks, repeated). Host values that size the launch: the
 // element counts.
 #include "common.cuh"
