@@ -10,7 +10,11 @@
 // -inf adds nothing, whatever its output row holds. `out` may be one of the input outputs and
 // `out_lse` one of the input lses: every lane has read the row's lse values and its own channels of
 // every state before it writes them, and lane 0 writes the lse after the warp has synchronized.
-// Reads: the S output rows and lse values of each row, head_sink. Writes: out, out_lse (optional).
+// The first `heads_major` states may hold their rows KV-head major -- row (KV head, token, group
+// head) of a heads-form cascade prefix, whose query heads are those of every token -- and then a
+// token whose `valid` entry is negative takes nothing from them.
+// Reads: the S output rows and lse values of each row, head_sink, valid. Writes: out, out_lse
+// (optional).
 // Host values that size the launch: rows (token_count * num_heads), the head width, S.
 //
 // cascade_inputs: the index arrays of a cascade step (cupa/cascade.py) in one launch, one element
@@ -19,8 +23,9 @@
 // past_seqlens and query_positions (shifted down by the prefix length; -1 where the value was
 // negative, and negative -- an invalid sequence or token of the suffix call -- where it was below the
 // prefix length), its block table (the columns after the prefix blocks) and the prefix
-// call's block table (row 0's prefix blocks, repeated). Host values that size the launch: the
-// element counts.
+// call's block table: row 0's prefix blocks repeated in every row (the tokens form), or split into
+// consecutive runs of prefix_cols blocks, one a row, -1 past the last (the heads form's key splits).
+// Host values that size the launch: the element counts.
 #include "common.cuh"
 #include "paged.cuh"
 #include "softmax.cuh"
@@ -33,6 +38,10 @@ template <typename T> struct MergeInputs {
   const float* lse[MERGE_LISTED];
   long long out_stride;  // elements from one state's output to the next (strided), else 0
   long long lse_stride;
+  int heads_major;       // the first heads_major states hold rows (KV head, token, group head)
+  int group;             // their group heads per KV head
+  long long tokens;      // their tokens
+  const int* valid;      // (tokens,) or null: a token whose entry is < 0 takes nothing from them
 
   CUPA_DEVICE const T* out_of(int i) const { return out_stride ? out[0] + i * out_stride : out[i]; }
   CUPA_DEVICE const float* lse_of(int i) const { return lse_stride ? lse[0] + i * lse_stride : lse[i]; }
@@ -48,26 +57,38 @@ __global__ void __launch_bounds__(MERGE_WARPS * 32, 4) merge_states(
   const int lane = threadIdx.x & 31;
   const long long row = (long long)blockIdx.x * MERGE_WARPS + (threadIdx.x >> 5);
   if (row >= rows) return;  // warp-uniform
+  const int h = (int)(row % num_heads);
+  const int major = states.heads_major;
+  long long major_row = row;  // the row's index in the heads-major states
+  bool major_empty = false;
+  if (major > 0) {
+    const long long t = row / num_heads;
+    major_row = ((long long)(h / states.group) * states.tokens + t) * states.group + h % states.group;
+    major_empty = states.valid != nullptr && __ldg(states.valid + t) < 0;
+  }
+  auto lse_at = [&](int i) -> float {
+    if (i < major) return major_empty ? CUPA_NEG_INF : states.lse_of(i)[major_row];
+    return states.lse_of(i)[row];
+  };
   float M = CUPA_NEG_INF;
-  for (int i = lane; i < num_states; i += 32) M = fmaxf(M, states.lse_of(i)[row]);
+  for (int i = lane; i < num_states; i += 32) M = fmaxf(M, lse_at(i));
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
   float L = 0.0f;
-  for (int i = lane; i < num_states; i += 32) L += rescale(states.lse_of(i)[row], M);
+  for (int i = lane; i < num_states; i += 32) L += rescale(lse_at(i), M);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
-  const int h = (int)(row % num_heads);
   const bool has_sink = head_sink != nullptr;
   const float sink = has_sink ? Act<Sink>::to_float(head_sink[h]) : 0.0f;
-  const long long base = row * head_width;
+  const long long base = row * head_width, major_base = major_row * head_width;
   for (int c = lane * VEC; c < head_width; c += 32 * VEC) {
     float O[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; ++k) O[k] = 0.0f;
     for (int i = 0; i < num_states; ++i) {
-      const float w = rescale(states.lse_of(i)[row], M);
+      const float w = rescale(lse_at(i), M);
       if (w == 0.0f) continue;  // an empty state (or one far below the max) adds nothing
-      const T* o = states.out_of(i) + base + c;
+      const T* o = states.out_of(i) + (i < major ? major_base : base) + c;
       if constexpr (VEC == 8) {
         float v[8];
         load8(o, v);
@@ -93,12 +114,13 @@ __global__ void cascade_inputs(const int* __restrict__ cum, const int* __restric
                                const int* __restrict__ block_table, const int* __restrict__ query_positions,
                                int token_count, int batch_size, int max_blocks, long long kv_capacity,
                                int rotary_max_pos, int prefix_len, int prefix_blocks, int prefix_rows,
-                               int* __restrict__ prefix_positions, int* __restrict__ suffix_past,
+                               int prefix_cols, int prefix_split, int* __restrict__ prefix_positions,
+                               int* __restrict__ suffix_past,
                                int* __restrict__ suffix_positions, int* __restrict__ suffix_table,
                                int* __restrict__ prefix_table) {
   const int suffix_cols = max_blocks - prefix_blocks;
   const long long n_tokens = token_count, n_seqs = batch_size;
-  const long long n_suffix = n_seqs * suffix_cols, n_prefix = (long long)prefix_rows * prefix_blocks;
+  const long long n_suffix = n_seqs * suffix_cols, n_prefix = (long long)prefix_rows * prefix_cols;
   const long long total = n_tokens + n_seqs + n_suffix + n_prefix;
   for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
        e += (long long)gridDim.x * blockDim.x) {
@@ -126,6 +148,7 @@ __global__ void cascade_inputs(const int* __restrict__ cum, const int* __restric
       continue;
     }
     i -= n_suffix;
-    prefix_table[i] = batch_size > 0 ? __ldg(block_table + i % prefix_blocks) : -1;
+    const long long col = prefix_split ? i : i % prefix_blocks;  // entry i is row i / prefix_cols
+    prefix_table[i] = batch_size > 0 && col < prefix_blocks ? __ldg(block_table + col) : -1;
   }
 }

@@ -6,11 +6,14 @@ once per sequence. :class:`CascadeAttention` reads them once for all the sequenc
 
 1. the prefix: every token's queries against the P shared keys as one problem (``prefix_mode``:
    ``"heads"``, one token whose query heads are those of all the tokens; or ``"tokens"``, one sequence
-   of all the tokens at their own positions), with ``return_lse`` and without head_sink;
+   of all the tokens at their own positions), with ``return_lse`` and without head_sink. The heads
+   form splits the shared keys into ``prefix_splits`` runs of whole blocks, one sequence of the
+   prefix call each, so that its (token, group head) row tiles times the splits fill the GPU;
 2. the suffix: the plain call on each sequence's own keys [P, kv_len), as a position-shifted shard
    (past_seqlens - P, the block-table columns after the prefix, cos/sin from row P on); it writes the
    new tokens' K/V;
-3. :func:`cupa.merge_states` of the two states with head_sink.
+3. :func:`cupa.merge_states` of the prefix states and the suffix state with head_sink (one launch,
+   which reads the heads form's KV-head-major rows where they are).
 
 Every step runs on the inputs' device and stream without a host synchronization; a step can be
 captured into a CUDA graph after one eager call (which compiles the kernels and uploads the few
@@ -28,15 +31,38 @@ import numpy as np
 from . import _capture, arrays, dispatch
 from .api import PagedAttention, bind_inputs
 from .contract import INPUT_NAMES, Attributes, Problem
+from .device import device_info
 from .errors import fail
 from .options import Options
 from .states import merge_host
 
-__all__ = ["CascadeAttention", "cascade_attention", "PREFIX_MODES", "HEADS_MAX_ROWS"]
+__all__ = ["CascadeAttention", "cascade_attention", "PREFIX_MODES", "HEADS_MAX_ROWS", "MAX_PREFIX_SPLITS",
+           "prefix_splits_for"]
 
 PREFIX_MODES = ("auto", "heads", "tokens")
 #: ``prefix_mode="auto"`` takes "heads" (when exact) up to this many query rows (token_count * group size)
 HEADS_MAX_ROWS = 4096
+#: most key splits of a heads-form prefix (the merge takes the splits and the suffix as at most 16 states)
+MAX_PREFIX_SPLITS = 15
+#: ``prefix_splits="auto"``: fewest shared keys a split holds
+MIN_SPLIT_KEYS = 512
+#: ``prefix_splits="auto"``: (token, group head) rows of one tensor-core prefill row tile
+TILE_ROWS = 128
+
+
+def prefix_splits_for(token_count: int, num_heads: int, kv_num_heads: int, prefix_len: int, block_size: int,
+                      sm_count: int) -> int:
+    """``prefix_splits="auto"``: key splits of a heads-form prefix so that its row tiles (KV heads x
+    ceil(token_count * group size / TILE_ROWS)) times the splits come near ``sm_count`` without
+    exceeding it, each split keeping at least MIN_SPLIT_KEYS keys (whole blocks) -- at most
+    MAX_PREFIX_SPLITS, at least 1."""
+    rows = token_count * (num_heads // kv_num_heads)
+    tiles = kv_num_heads * -(-rows // TILE_ROWS)
+    blocks = prefix_len // block_size
+    splits = min(MAX_PREFIX_SPLITS, sm_count // max(tiles, 1), max(prefix_len // MIN_SPLIT_KEYS, 1), blocks)
+    splits = max(splits, 1)
+    per = -(-blocks // splits)
+    return -(-blocks // per)   # whole blocks a split: no empty split
 
 
 class CascadeAttention:
@@ -59,6 +85,11 @@ class CascadeAttention:
         exact when do_rotary=0 and local_window_size <= 0), ``"tokens"`` (one sequence of every token,
         each at its own position) or ``"auto"`` ("heads" where it is exact and token_count * group size
         <= :data:`HEADS_MAX_ROWS`).
+    prefix_splits : "auto" or int, default "auto"
+        Runs of whole shared blocks the heads form attends as separate sequences of its prefix call
+        (1 to :data:`MAX_PREFIX_SPLITS`; the last may be shorter). ``"auto"``:
+        :func:`prefix_splits_for` with the device's SM count on a GPU, 1 on the host. The tokens form
+        takes 1.
     num_heads, kv_num_heads, **attributes
         The attributes of :class:`cupa.PagedAttention` (``return_lse`` included; not ``qk_output``).
     options : cupa.Options, optional
@@ -72,14 +103,21 @@ class CascadeAttention:
     attention_bias and output_qk are not served (PagedAttentionError).
     """
 
-    def __init__(self, *, prefix_len: int, prefix_mode: str = "auto", num_heads: int = None,
+    def __init__(self, *, prefix_len: int, prefix_mode: str = "auto", prefix_splits="auto", num_heads: int = None,
                  kv_num_heads: int = None, options: Options = None, **attributes: Any):
         if isinstance(prefix_len, bool) or not isinstance(prefix_len, (int, np.integer)) or prefix_len < 1:
             raise fail("prefix_len", repr(prefix_len), "a positive integer (the shared cached positions)")
         if prefix_mode not in PREFIX_MODES:
             raise fail("prefix_mode", repr(prefix_mode), f"one of {PREFIX_MODES}")
+        if prefix_splits != "auto" and (isinstance(prefix_splits, bool) or not isinstance(prefix_splits, (int, np.integer))
+                                        or not 1 <= prefix_splits <= MAX_PREFIX_SPLITS):
+            raise fail("prefix_splits", repr(prefix_splits), f"'auto' or an integer in [1, {MAX_PREFIX_SPLITS}]")
+        if prefix_mode == "tokens" and prefix_splits not in ("auto", 1):
+            raise fail("prefix_splits", repr(prefix_splits), "'auto' or 1 with prefix_mode='tokens' (only the heads "
+                       "form splits the shared keys)")
         self.prefix_len = int(prefix_len)
         self.prefix_mode = prefix_mode
+        self.prefix_splits = prefix_splits if prefix_splits == "auto" else int(prefix_splits)
         self._plain = PagedAttention(num_heads=num_heads, kv_num_heads=kv_num_heads, options=options, **attributes)
         a = self.attributes = self._plain.attributes
         if a.qk_output:
@@ -93,19 +131,21 @@ class CascadeAttention:
         self._steps = {}   # (problem, device key) -> _Step
 
     def __repr__(self) -> str:
-        return f"CascadeAttention(prefix_len={self.prefix_len}, prefix_mode={self.prefix_mode!r}, {self._plain!r})"
+        return (f"CascadeAttention(prefix_len={self.prefix_len}, prefix_mode={self.prefix_mode!r}, "
+                f"prefix_splits={self.prefix_splits!r}, {self._plain!r})")
 
     # -- planning ---------------------------------------------------------------------
-    def _step(self, problem: Problem, device_key) -> "_Step":
-        key = (problem, device_key)
+    def _step(self, problem: Problem, device: Optional[int]) -> "_Step":
+        """The step of one input signature on ``device`` (a CUDA ordinal, or None: the host)."""
+        key = (problem, device)
         step = self._steps.get(key)
         if step is None:
             if len(self._steps) >= 64:
                 self._steps.clear()
-            step = self._steps[key] = self._make_step(problem)
+            step = self._steps[key] = self._make_step(problem, device)
         return step
 
-    def _make_step(self, p: Problem) -> "_Step":
+    def _make_step(self, p: Problem, device: Optional[int]) -> "_Step":
         P, a = self.prefix_len, p.attrs
         if P % p.block_size:
             raise fail("prefix_len", P, f"a multiple of block_size ({p.block_size}): the shared prefix is whole blocks")
@@ -124,33 +164,42 @@ class CascadeAttention:
             mode = "heads" if exact_heads and p.token_count * p.group_size <= HEADS_MAX_ROWS else "tokens"
         N = p.token_count
         if mode == "heads":
-            prefix_rows = 1
-            cum, past = np.array([0, 1], np.int32), np.array([P - 1], np.int32)
-            metadata = np.array([1, P], np.int32)
+            splits = self.prefix_splits
+            if splits == "auto":
+                splits = 1 if device is None else prefix_splits_for(N, p.num_heads, p.kv_num_heads, P, p.block_size,
+                                                                     device_info(device).sm_count)
+            prefix_cols = -(-prefix_blocks // min(splits, prefix_blocks))
+            prefix_rows = -(-prefix_blocks // prefix_cols)
+            keys = np.minimum(prefix_blocks - np.arange(prefix_rows) * prefix_cols, prefix_cols) * p.block_size
+            cum, past = np.arange(prefix_rows + 1, dtype=np.int32), (keys - 1).astype(np.int32)
+            metadata = np.array([1, prefix_cols * p.block_size], np.int32)
             op = PagedAttention(**dict(self._parts, num_heads=N * p.num_heads), return_lse=True, options=self.options)
+            slots = prefix_rows
         else:
-            prefix_rows = max(1, -(-N // P))
+            prefix_rows, prefix_cols = max(1, -(-N // P)), prefix_blocks
             q_lens = np.diff(np.minimum(np.arange(prefix_rows + 1) * P, N)).astype(np.int32)
             cum = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
             past = (P - q_lens).astype(np.int32)
             metadata = np.array([max(1, int(q_lens.max())), P], np.int32)
             op = PagedAttention(**self._parts, return_lse=True, options=self.options)
-        return _Step(problem=p, mode=mode, prefix_blocks=prefix_blocks, prefix_rows=prefix_rows, prefix_op=op,
-                     prefix_cum=cum, prefix_past=past, prefix_metadata=metadata,
-                     prefix_slots=np.full(1 if mode == "heads" else N, -1, np.int32),
-                     suffix_metadata=_shifted_metadata(p, P), constants={})
+            slots = N
+        return _Step(problem=p, mode=mode, prefix_blocks=prefix_blocks, prefix_rows=prefix_rows, prefix_cols=prefix_cols,
+                     prefix_op=op, prefix_cum=cum, prefix_past=past, prefix_metadata=metadata,
+                     prefix_slots=np.full(slots, -1, np.int32), suffix_metadata=_shifted_metadata(p, P), constants={})
 
     def describe(self, *args, **kwargs) -> str:
         """How a call with these inputs is run: the prefix form and sizes, the backends of the prefix and
         suffix calls, and the merge (nothing is launched)."""
         inputs = bind_inputs(args, kwargs)
         p = self._plain.plan(*(inputs[n] for n in INPUT_NAMES)).problem
-        step = self._step(p, arrays.device_key(inputs["query"]))
+        step = self._step(p, dispatch.call_device(inputs))
         prefix_plan, suffix_plan = self._plans(step, inputs)
         P = self.prefix_len
         if step.mode == "heads":
+            runs = (f"in {step.prefix_rows} run(s) of up to {step.prefix_cols * p.block_size} keys, one decode "
+                    "sequence each" if step.prefix_rows > 1 else "as one decode sequence")
             prefix = (f"one decode token with the {p.token_count} tokens' {p.token_count * p.num_heads} query heads "
-                      f"(KV-head major) over the {P} shared positions")
+                      f"(KV-head major) over the {P} shared positions, {runs}")
         else:
             prefix = (f"{step.prefix_rows} sequence(s) of the {p.token_count} tokens at their own positions over "
                       f"the {P} shared positions")
@@ -162,7 +211,7 @@ class CascadeAttention:
         """The names of the backends that run the prefix and the suffix call for these inputs."""
         inputs = bind_inputs(args, kwargs)
         p = self._plain.plan(*(inputs[n] for n in INPUT_NAMES)).problem
-        prefix_plan, suffix_plan = self._plans(self._step(p, arrays.device_key(inputs["query"])), inputs)
+        prefix_plan, suffix_plan = self._plans(self._step(p, dispatch.call_device(inputs)), inputs)
         return prefix_plan.backend.name, suffix_plan.backend.name
 
     def _plans(self, step: "_Step", inputs: dict) -> tuple:
@@ -182,13 +231,13 @@ class CascadeAttention:
             idx = lambda *shape: xp.empty(shape, np.int32)   # noqa: E731
             common = dict(key_cache=x["key_cache"], value_cache=x["value_cache"],
                           cumulative_sequence_length=idx(step.prefix_rows + 1), past_seqlens=idx(step.prefix_rows),
-                          block_table=idx(step.prefix_rows, step.prefix_blocks), q_norm_weight=x["q_norm_weight"],
+                          block_table=idx(step.prefix_rows, step.prefix_cols), q_norm_weight=x["q_norm_weight"],
                           k_norm_weight=x["k_norm_weight"], k_scale=x["k_scale"], v_scale=x["v_scale"],
                           attention_metadata=step.prefix_metadata)
             if step.mode == "heads":
-                width = p.head_size if p.latent else p.kv_num_heads * p.head_size
-                prefix = step.prefix_op.plan(xp.empty((1, N * p.num_heads * p.head_size), T), xp.empty((1, width), T),
-                                             None if p.latent else xp.empty((1, width), T), slot_mapping=idx(1),
+                S, width = step.prefix_rows, p.head_size if p.latent else p.kv_num_heads * p.head_size
+                prefix = step.prefix_op.plan(xp.empty((S, N * p.num_heads * p.head_size), T), xp.empty((S, width), T),
+                                             None if p.latent else xp.empty((S, width), T), slot_mapping=idx(S),
                                              **common)
             else:
                 prefix = step.prefix_op.plan(x["query"], x["key"], x["value"], cos_cache=x["cos_cache"],
@@ -215,8 +264,9 @@ class CascadeAttention:
         problem = self._plain.plan(*(inputs[n] for n in INPUT_NAMES)).problem
         if problem.token_count == 0:   # nothing to attend: the plain call returns the empty outputs
             return self._plain(*(inputs[n] for n in INPUT_NAMES), out=out, stream=stream)
-        step = self._step(problem, arrays.device_key(query))
-        if dispatch.call_device(inputs) is None:
+        device = dispatch.call_device(inputs)
+        step = self._step(problem, device)
+        if device is None:
             return self._run_host(step, inputs, out)
         return self._run_device(step, inputs, out, stream)
 
@@ -229,9 +279,16 @@ class CascadeAttention:
         d = _derive_host(step, x, self.prefix_len)
         o_pre, lse_pre = self._prefix(step, x, d, np)
         o_suf, lse_suf = self._suffix_call(step, x, d, None)
-        H, Dv = p.num_heads, p.v_head_size
-        merged, merged_lse = merge_host(np.stack([o_pre, o_suf]).reshape(2, p.token_count, H, Dv),
-                                        np.stack([lse_pre, lse_suf]), x["head_sink"])
+        N, H, Hk, Dv = p.token_count, p.num_heads, p.kv_num_heads, p.v_head_size
+        if step.mode == "heads":   # (splits, KV head, token, group head) rows -> (splits, token, head)
+            S, G = step.prefix_rows, p.group_size
+            o_pre = o_pre.reshape(S, Hk, N, G, Dv).transpose(0, 2, 1, 3, 4).reshape(S, N, H * Dv)
+            lse_pre = lse_pre.reshape(S, Hk, N, G).transpose(0, 2, 1, 3).reshape(S, N, H)
+            lse_pre = np.where((d["prefix_positions"] >= 0)[None, :, None], lse_pre, -np.inf)
+        else:
+            o_pre, lse_pre = o_pre[None], lse_pre[None]
+        merged, merged_lse = merge_host(np.concatenate([o_pre, o_suf[None]]).reshape(-1, N, H, Dv),
+                                        np.concatenate([lse_pre, lse_suf[None]]), x["head_sink"])
         result = out_view if out_view is not None else np.empty(p.output_shape, arrays.numpy_dtype(p.dtype))
         result[...] = merged.reshape(p.output_shape).astype(result.dtype)
         output = arrays.wrap_host(result, query, out)
@@ -260,14 +317,23 @@ class CascadeAttention:
             o_pre, lse_pre = self._prefix(step, x, d, cupy, stream)
             o_suf, lse_suf = self._suffix_call(step, x, d, stream)
             _capture.keep_alive(out_view, lse_view)
-        kernels.merge([o_pre, o_suf], [lse_pre, lse_suf], x["head_sink"], out_view, lse_view, p.num_heads, stream)
+        if step.mode == "heads":   # the prefix call's rows stay KV-head major: the merge reads them so
+            S = step.prefix_rows
+            kernels.merge([o_pre[i] for i in range(S)] + [o_suf], [lse_pre[i] for i in range(S)] + [lse_suf],
+                          x["head_sink"], out_view, lse_view, p.num_heads, stream,
+                          heads_major=(S, p.group_size, d["prefix_positions"]))
+        else:
+            kernels.merge([o_pre, o_suf], [lse_pre, lse_suf], x["head_sink"], out_view, lse_view, p.num_heads,
+                          stream)
         output = arrays.wrap_output(out_view, query, stream)
         if lse_view is None:
             return output
         return output, arrays.wrap_output(lse_view, query, stream)
 
     def _prefix(self, step: "_Step", x: dict, d: dict, xp, stream=None) -> tuple:
-        """The prefix state (output (N, H*Dv), lse (N, H); -inf for tokens invalid in the plain call)."""
+        """The prefix state. The tokens form: output (N, H*Dv), lse (N, H), -inf for tokens invalid in the
+        plain call. The heads form: output (S, Hk*N*G*Dv) and lse (S, Hk*N*G), one row per split, each
+        KV-head major (KV head, token, group head), whatever a token's validity."""
         p = step.problem
         N, H, Hk, G, D, Dv = p.token_count, p.num_heads, p.kv_num_heads, p.group_size, p.head_size, p.v_head_size
         c = d["constants"]
@@ -278,14 +344,12 @@ class CascadeAttention:
         if step.mode == "tokens":
             return step.prefix_op(x["query"], x["key"], x["value"], cos_cache=x["cos_cache"],
                                   sin_cache=x["sin_cache"], query_positions=d["prefix_positions"], **common)
-        q = x["query"][:, :H * D].reshape(N, Hk, G, D)
-        stacked = xp.ascontiguousarray(q.transpose(1, 0, 2, 3)).reshape(1, N * H * D)
+        S = step.prefix_rows
+        q = x["query"][:, :H * D].reshape(N, Hk, G, D).transpose(1, 0, 2, 3)
+        stacked = xp.ascontiguousarray(xp.broadcast_to(q[None], (S, Hk, N, G, D))).reshape(S, N * H * D)
         o_stacked, lse_stacked = step.prefix_op(stacked, c["key"], c["value"], **common)
-        o = xp.ascontiguousarray(o_stacked.reshape(Hk, N, G, Dv).transpose(1, 0, 2, 3)).reshape(N, H * Dv)
-        valid = (d["prefix_positions"] >= 0)[:, None, None]
-        lse = xp.where(valid, lse_stacked.reshape(Hk, N, G).transpose(1, 0, 2), np.float32(-np.inf))
-        _capture.keep_alive(stacked, o_stacked, lse_stacked, o, lse)   # a captured graph writes them at every replay
-        return o, lse.reshape(N, H)
+        _capture.keep_alive(stacked, o_stacked, lse_stacked)   # a captured graph writes them at every replay
+        return o_stacked, lse_stacked
 
     def _suffix_call(self, step: "_Step", x: dict, d: dict, stream) -> tuple:
         """The suffix state: the plain call on positions >= prefix_len, shifted down by prefix_len."""
@@ -305,7 +369,8 @@ class _Step:
     problem: Problem
     mode: str
     prefix_blocks: int
-    prefix_rows: int         # sequences of the prefix call ("tokens": ceil(N / P); "heads": 1)
+    prefix_rows: int         # sequences of the prefix call ("tokens": ceil(N / P); "heads": the key splits)
+    prefix_cols: int         # its block-table columns ("tokens": the prefix blocks; "heads": blocks a split)
     prefix_op: PagedAttention
     prefix_cum: np.ndarray
     prefix_past: np.ndarray
@@ -330,9 +395,9 @@ def _host_constants(step: _Step) -> dict:
     p = step.problem
     c = dict(cum=step.prefix_cum, past=step.prefix_past, slots=step.prefix_slots, key=None, value=None)
     if step.mode == "heads":
-        T = arrays.numpy_dtype(p.dtype)
-        c["key"] = np.zeros((1, p.head_size if p.latent else p.kv_num_heads * p.head_size), T)
-        c["value"] = None if p.latent else np.zeros((1, p.kv_num_heads * p.head_size), T)
+        T, S = arrays.numpy_dtype(p.dtype), step.prefix_rows
+        c["key"] = np.zeros((S, p.head_size if p.latent else p.kv_num_heads * p.head_size), T)
+        c["value"] = None if p.latent else np.zeros((S, p.kv_num_heads * p.head_size), T)
     return c
 
 
@@ -361,8 +426,15 @@ def _derive_host(step: _Step, x: dict, P: int) -> dict:
                  & (pos >= 0) & ((p.rotary_max_pos == 0) | (pos < p.rotary_max_pos)))
         positions = np.where(valid, pos, -1)
     shift = lambda v: np.where(v >= 0, v - P, -1).astype(np.int32)
-    prefix_table = (np.tile(bt[0, :step.prefix_blocks], (step.prefix_rows, 1)) if B > 0
-                    else np.full((step.prefix_rows, step.prefix_blocks), -1, np.int32))
+    rows, cols, Pb = step.prefix_rows, step.prefix_cols, step.prefix_blocks
+    if B == 0:
+        prefix_table = np.full((rows, cols), -1, np.int32)
+    elif step.mode == "heads":   # consecutive runs of the prefix blocks, -1 past the last
+        prefix_table = np.full(rows * cols, -1, np.int32)
+        prefix_table[:Pb] = bt[0, :Pb]
+        prefix_table = prefix_table.reshape(rows, cols)
+    else:
+        prefix_table = np.tile(bt[0, :Pb], (rows, 1))
     return dict(prefix_positions=positions.astype(np.int32), suffix_past=shift(past),
                 suffix_positions=None if qp is None else shift(np.asarray(qp).astype(np.int64)),
                 suffix_table=np.ascontiguousarray(bt[:, step.prefix_blocks:]),
@@ -383,7 +455,7 @@ def _derive_device(step: _Step, x: dict, P: int, stream, kernels) -> dict:
     N, B, Pb = p.token_count, p.batch_size, step.prefix_blocks
     qp = x["query_positions"]
     sizes = dict(prefix_positions=(N,), suffix_past=(B,), suffix_positions=(N,) if qp is not None else None,
-                 suffix_table=(B, p.max_blocks_per_seq - Pb), prefix_table=(step.prefix_rows, Pb))
+                 suffix_table=(B, p.max_blocks_per_seq - Pb), prefix_table=(step.prefix_rows, step.prefix_cols))
     total = sum(int(np.prod(s)) for s in sizes.values() if s is not None)
     buffer = cupy.empty(max(total, 1), dtype=np.int32)
     _capture.keep_alive(buffer)
@@ -397,18 +469,20 @@ def _derive_device(step: _Step, x: dict, P: int, stream, kernels) -> dict:
         at += n
     kernels.cascade_inputs(x["cumulative_sequence_length"], x["past_seqlens"], x["block_table"], qp,
                            kv_capacity=p.static_kv_capacity, rotary_max_pos=p.rotary_max_pos, prefix_len=P,
-                           prefix_blocks=Pb, prefix_rows=step.prefix_rows, stream=stream, **d)
+                           prefix_blocks=Pb, prefix_rows=step.prefix_rows, prefix_cols=step.prefix_cols,
+                           prefix_split=step.mode == "heads", stream=stream, **d)
     d["constants"] = constants
     return d
 
 
-def cascade_attention(*args, prefix_len: int, prefix_mode: str = "auto", out=None, stream=None,
-                      options: Options = None, **kwargs):
+def cascade_attention(*args, prefix_len: int, prefix_mode: str = "auto", prefix_splits="auto", out=None,
+                      stream=None, options: Options = None, **kwargs):
     """:class:`CascadeAttention` as a function: ``cascade_attention(*inputs, prefix_len=P, num_heads=...,
     kv_num_heads=..., **attributes)``. Inputs by position (ONNX order) or keyword, as
     :func:`cupa.paged_attention`; the bound op is rebuilt each call (bind a :class:`CascadeAttention`
     once to keep its plan memo)."""
     attribute_names = set(Attributes.names())
     attributes = {k: kwargs.pop(k) for k in list(kwargs) if k in attribute_names}
-    op = CascadeAttention(prefix_len=prefix_len, prefix_mode=prefix_mode, options=options, **attributes)
+    op = CascadeAttention(prefix_len=prefix_len, prefix_mode=prefix_mode, prefix_splits=prefix_splits,
+                          options=options, **attributes)
     return op(*args, out=out, stream=stream, **kwargs)

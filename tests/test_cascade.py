@@ -71,6 +71,48 @@ def test_cascade_equals_the_plain_call(rng, feature, mode, shape):
     check_cascade(case, 16, mode)
 
 
+@pytest.mark.parametrize("splits", [2, 4, 6, 15])
+@pytest.mark.parametrize("feature", ["plain", "sink_softcap", "int8_per_channel", "latent", "explicit_positions_slots"])
+def test_heads_prefix_split_by_keys(rng, feature, splits):
+    """The heads form with the shared keys in runs of whole blocks (6 blocks: 2 -> 2 runs of 3, 4 -> 3 of 2,
+    6 and 15 -> 6 of 1), each run one sequence of the prefix call, merged with the suffix."""
+    case = cascade_case(rng, 24, 4, own=(0, 5, 9, 2, 17), q_lens=(1, 2, 1, 0, 3), **COMMON[feature])
+    op = cupa.CascadeAttention(prefix_len=24, prefix_mode="heads", prefix_splits=splits, return_lse=True,
+                               **case.attrs)
+    runs = {2: (2, 12), 4: (3, 8), 6: (6, 4), 15: (6, 4)}[splits]
+    assert f"in {runs[0]} run(s) of up to {runs[1]} keys" in op.describe(**_inputs(case))
+    plain = case.copy()
+    want_out, want_lse = plain.run(return_lse=True)
+    got = case.copy()
+    out, lse = op(**_inputs(got))
+    assert_rel(out, want_out, case.dtype, what="cascade output")
+    assert_lse_close(lse, want_lse)
+    for name in ("key_cache", "value_cache"):
+        if plain.inputs[name] is not None:
+            assert np.array_equal(got.inputs[name].view(np.uint8), plain.inputs[name].view(np.uint8)), name
+
+
+def test_prefix_splits_for_fills_the_device():
+    from cupa.cascade import MAX_PREFIX_SPLITS, prefix_splits_for
+
+    # the benchmark case: 64 tokens x 4 heads a KV head = 2 row tiles x 8 KV heads; 132 SMs -> 8 splits of 1024 keys
+    assert prefix_splits_for(64, 32, 8, 8192, 16, 132) == 8
+    assert prefix_splits_for(64, 32, 8, 1024, 16, 132) == 2          # at least 512 keys a split
+    assert prefix_splits_for(4096, 32, 8, 8192, 16, 132) == 1        # the row tiles fill the device already
+    assert prefix_splits_for(1, 8, 1, 1 << 20, 16, 1000) == MAX_PREFIX_SPLITS
+    assert prefix_splits_for(64, 32, 8, 48, 16, 132) == 1            # 3 blocks, fewer than 512 keys
+    assert prefix_splits_for(1, 8, 8, 7 * 512, 512, 132) == 7        # whole blocks: 7 runs of one
+
+
+def test_prefix_splits_errors(rng):
+    for bad in (0, 16, -1, 2.0, True, "many"):
+        with pytest.raises(cupa.PagedAttentionError, match="^prefix_splits: "):
+            cupa.CascadeAttention(prefix_len=8, prefix_splits=bad, num_heads=8, kv_num_heads=2)
+    with pytest.raises(cupa.PagedAttentionError, match="^prefix_splits: got 2; expected 'auto' or 1 with "
+                                                       "prefix_mode='tokens'"):
+        cupa.CascadeAttention(prefix_len=8, prefix_mode="tokens", prefix_splits=2, num_heads=8, kv_num_heads=2)
+
+
 @pytest.mark.parametrize("feature", sorted(POSITIONAL))
 def test_cascade_with_positional_features_takes_the_tokens_prefix(rng, feature):
     case = cascade_case(rng, 12, 3, own=(1, 6, 0, 11), q_lens=(2, 1, 3, 1), **POSITIONAL[feature])

@@ -86,6 +86,16 @@ def test_float32_and_decode_shaped_calls_go_to_decode(rng):
     assert chosen(rng, q_lens=[1, 1]) == "decode"  # token_count <= batch_size: decode-shaped
 
 
+def test_decode_shaped_calls_with_wide_groups_go_to_the_prefill_kernels(rng):
+    """A heads-form cascade prefix: one token a sequence, 256 query heads a KV head (64 tokens x 4), 8
+    sequences (key splits) x 8 KV heads -- row tiles that fill the device go to the tensor-core prefill."""
+    wide = dict(q_lens=[1] * 8, past=[1023] * 8, H=2048, Hk=8, D=128)
+    assert chosen(rng, **wide) == "prefill_wgmma"
+    assert chosen(rng, device=describe_capability(8, 0), **wide) == "prefill"
+    assert chosen(rng, **dict(wide, q_lens=[1], past=[1023])) == "decode"        # 1 sequence: too few tiles
+    assert chosen(rng, **dict(wide, H=8 * 63)) == "decode"                         # groups narrower than 64
+
+
 def test_features_no_fused_backend_serves_are_said_once(rng):
     inputs, _ = util.build(rng, q_lens=[40, 30], past=[10, 0], H=8, Hk=2, D=128)
     op = cupa.PagedAttention(num_heads=8, kv_num_heads=2, qk_output=1)

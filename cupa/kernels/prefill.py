@@ -38,6 +38,8 @@ TILE_CONFIG = {(64, 128, 64): (4, 2, 3, 2), (128, 128, 64): (4, 2, 2, 2), (128, 
 #: head_size -> its (rows, keys) tiles, the default first, then compact tiles for less shared memory.
 TILES = {64: ((128, 64),), 128: ((128, 64), (128, 32)), 256: ((128, 32), (64, 32))}
 MAX_GRID_X = (1 << 31) - 1
+#: query heads a KV head from which a decode-shaped call may prefer the prefill kernels (preferred)
+WIDE_GROUP = 64
 
 
 def shared_bytes(head_size: int, quantized: bool, tile: tuple, packed: bool = False) -> int:
@@ -148,8 +150,15 @@ class PrefillBackend(CudaBackend):
         return reasons
 
     def preferred(self, problem: Problem, device: DeviceInfo = None, options: Options = None) -> bool:
-        # Seed 4.7's static rule: more tokens than sequences means some sequence has several.
-        return problem.token_count > problem.batch_size
+        # More tokens than sequences means some sequence has several (seed 4.7's rule). A decode-shaped call
+        # whose GQA groups fill tensor-core row tiles (WIDE_GROUP heads or more a KV head, as a heads-form
+        # cascade prefix has) comes here too when its row tiles fill half the device: the decode kernels
+        # would read every key once per group of heads.
+        p = problem
+        if p.token_count > p.batch_size:
+            return True
+        return (device is not None and p.group_size >= WIDE_GROUP
+                and self._plan(p, device, options)["num_tiles"] * p.kv_num_heads * 2 >= device.sm_count)
 
     def specializations(self) -> list:
         specs = []

@@ -18,7 +18,8 @@ MERGE_LISTED = 16
 MERGE_WARPS = 8  # rows (one warp each) per CTA, mirrors MERGE_WARPS
 #: the kernel argument ``MergeInputs<T>`` of states.cu
 MERGE_INPUTS = np.dtype([("out", np.uint64, (MERGE_LISTED,)), ("lse", np.uint64, (MERGE_LISTED,)),
-                         ("out_stride", np.int64), ("lse_stride", np.int64)])
+                         ("out_stride", np.int64), ("lse_stride", np.int64), ("heads_major", np.int32),
+                         ("group", np.int32), ("tokens", np.int64), ("valid", np.uint64)])
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
 CASCADE_THREADS = 256
 
@@ -42,7 +43,7 @@ def _cupy():
     return cupy
 
 
-def merge(outputs, lses, head_sink, out, out_lse, num_heads: int, stream) -> None:
+def merge(outputs, lses, head_sink, out, out_lse, num_heads: int, stream, heads_major: tuple = None) -> None:
     """Launch ``merge_states`` on ``stream``.
 
     Parameters
@@ -52,6 +53,11 @@ def merge(outputs, lses, head_sink, out, out_lse, num_heads: int, stream) -> Non
     head_sink : CuPy (H,) array of T or float32, or None
     out : CuPy (N, H*Dv) array of T (may be one of ``outputs``)
     out_lse : CuPy (N, H) float32 array (may be one of ``lses``), or None
+    heads_major : (count, group, valid) or None
+        The first ``count`` states (a list of at most MERGE_LISTED) hold their rows KV-head major:
+        (KV head, token, group head) with ``group`` heads a KV head, as a heads-form cascade prefix
+        returns them; a token whose entry of ``valid`` (a CuPy int32 (N,) array, or None) is negative
+        takes nothing from them.
     """
     cupy = _cupy()
     stacked = not isinstance(outputs, (list, tuple))
@@ -67,6 +73,11 @@ def merge(outputs, lses, head_sink, out, out_lse, num_heads: int, stream) -> Non
             outputs, lses, stacked = cupy.stack(outputs), cupy.stack(lses), True
         _capture.keep_alive(outputs, lses)
     arg = np.zeros(1, dtype=MERGE_INPUTS)
+    if heads_major is not None:
+        count, group, valid = heads_major
+        assert not stacked and 0 < count <= num_states and num_heads % group == 0
+        arg["heads_major"], arg["group"], arg["tokens"] = count, group, N
+        arg["valid"] = 0 if valid is None else valid.data.ptr
     if stacked:
         arg["out"][0, 0], arg["lse"][0, 0] = outputs.data.ptr, lses.data.ptr
         arg["out_stride"], arg["lse_stride"] = N * width, N * num_heads
@@ -87,14 +98,16 @@ def merge(outputs, lses, head_sink, out, out_lse, num_heads: int, stream) -> Non
 
 
 def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int, rotary_max_pos: int,
-                   prefix_len: int, prefix_blocks: int, prefix_rows: int, prefix_positions, suffix_past,
-                   suffix_positions, suffix_table, prefix_table, stream) -> None:
+                   prefix_len: int, prefix_blocks: int, prefix_rows: int, prefix_cols: int, prefix_split: bool,
+                   prefix_positions, suffix_past, suffix_positions, suffix_table, prefix_table, stream) -> None:
     """Launch ``cascade_inputs`` on ``stream``: fills ``prefix_positions`` (N,), ``suffix_past`` (B,),
     ``suffix_positions`` (N,; only with ``query_positions``), ``suffix_table`` (B, max_blocks -
-    prefix_blocks) and ``prefix_table`` (prefix_rows, prefix_blocks), all int32 CuPy arrays."""
+    prefix_blocks) and ``prefix_table`` (prefix_rows, prefix_cols), all int32 CuPy arrays. The prefix
+    table repeats row 0's prefix blocks in every row, or with ``prefix_split`` holds them in
+    consecutive runs of prefix_cols, one a row (-1 past the last)."""
     cupy = _cupy()
     N, B, max_blocks = prefix_positions.shape[0], past.shape[0], block_table.shape[1]
-    total = N + B + B * (max_blocks - prefix_blocks) + prefix_rows * prefix_blocks
+    total = N + B + B * (max_blocks - prefix_blocks) + prefix_rows * prefix_cols
     if total == 0:
         return
     blocks = min(-(-total // CASCADE_THREADS), 1024)
@@ -103,5 +116,5 @@ def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int,
         kernel((blocks,), (CASCADE_THREADS,),
                (cum, past, block_table, types.ptr(query_positions), np.int32(N), np.int32(B), np.int32(max_blocks),
                 np.int64(kv_capacity), np.int32(rotary_max_pos), np.int32(prefix_len), np.int32(prefix_blocks),
-                np.int32(prefix_rows), prefix_positions, suffix_past, types.ptr(suffix_positions), suffix_table,
+                np.int32(prefix_rows), np.int32(prefix_cols), np.int32(int(prefix_split)), prefix_positions, suffix_past, types.ptr(suffix_positions), suffix_table,
                 prefix_table))

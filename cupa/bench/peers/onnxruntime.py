@@ -129,6 +129,8 @@ class OnnxRuntimeCuda(Peer):
         import onnx  # noqa: F401
         import onnxruntime as ort
 
+        if hasattr(ort, "preload_dlls"):   # CUDA and cuDNN from the nvidia-* packages PyTorch brings
+            ort.preload_dlls()
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise RuntimeError(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider "
                                "(install onnxruntime-gpu)")

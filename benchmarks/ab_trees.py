@@ -1,0 +1,97 @@
+"""Time the decode and prefill benchmark cases with whichever ``cupa`` is first on ``sys.path``.
+
+An A/B of two source trees runs this script once per tree in one device session, each with its tree
+first on PYTHONPATH and its own kernel cache::
+
+    for tree in before after; do
+        CUPA_CACHE_DIR=/tmp/cache-$tree PYTHONPATH=$tree python3 benchmarks/ab_trees.py --label $tree --out $tree.json
+    done
+
+Only the public API of the tree under test is used (``cupa.PagedAttention``, ``cupa.Options``), so the
+same script times older trees. The timer is this repository's (cupa/bench/timing.py, loaded by path):
+CUDA events, L2 flushed before each run, median of ``--reps`` runs. Each case is checked against the
+tree's own output of the first run (bit-identical across runs), and the JSON records the tree's git
+commit when ``--commit`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+#: name -> (batch, new tokens per sequence, cached tokens per sequence, block_size, backend)
+CASES = {
+    "decode B=64 L=4096": (64, 1, 4095, 16, "auto"),
+    "decode B=16 L=32768": (16, 1, 32767, 16, "auto"),
+    "prefill B=4 q=2048 bs=256 (prefill_wgmma)": (4, 2048, 0, 256, "prefill_wgmma"),
+    "prefill B=4 q=2048 bs=16 (prefill)": (4, 2048, 0, 16, "prefill"),
+    "chunked B=8 past=8192 q=512 bs=16 (prefill_wgmma)": (8, 512, 8192, 16, "prefill_wgmma"),
+}
+
+
+def _timing():
+    spec = importlib.util.spec_from_file_location("cupa_bench_timing", HERE.parent / "cupa" / "bench" / "timing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build(cp, B, q, past, bs, H=32, Hk=8, D=128, seed=0):
+    rng = np.random.default_rng(seed)
+    total = q + past
+    blocks = math.ceil(total / bs)
+    normal = lambda *s: cp.asarray(rng.standard_normal(s, dtype=np.float32).astype(np.float16))  # noqa: E731
+    table = rng.permutation(B * blocks).astype(np.int32).reshape(B, blocks)
+    N = B * q
+    return dict(query=normal(N, H * D), key=normal(N, Hk * D), value=normal(N, Hk * D),
+                key_cache=normal(B * blocks, bs, Hk, D), value_cache=normal(B * blocks, bs, Hk, D),
+                cumulative_sequence_length=cp.asarray(np.arange(B + 1, dtype=np.int32) * q),
+                past_seqlens=cp.asarray(np.full(B, past, np.int32)), block_table=cp.asarray(table),
+                attention_metadata=np.array([q, total], np.int32))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--label", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args(argv)
+    import cupy as cp
+
+    import cupa
+
+    timer = _timing().Timer(cp)
+    result = {"label": args.label, "commit": args.commit, "cupa": str(pathlib.Path(cupa.__file__).parent),
+              "reps": args.reps, "cases": {}}
+    for name, (B, q, past, bs, backend) in CASES.items():
+        inputs = build(cp, B, q, past, bs)
+        op = cupa.PagedAttention(num_heads=32, kv_num_heads=8, options=cupa.Options(backend=backend))
+        first = op(**inputs)
+        cp.cuda.Device().synchronize()
+
+        def call():
+            return op(**inputs)
+
+        entry = timer.time_us(call, reps=args.reps)
+        again = op(**inputs)
+        entry["same_output"] = bool(cp.array_equal(first, again))
+        entry["tflop_per_s"] = 4.0 * 32 * 128 * B * q * (past + (q + 1) / 2) / (entry["median_us"] * 1e-6) / 1e12
+        result["cases"][name] = entry
+        print(f"{args.label}: {name}: {entry['median_us']:.1f} us", flush=True)
+        del inputs, first, again
+        cp.get_default_memory_pool().free_all_blocks()
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
