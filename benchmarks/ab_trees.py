@@ -30,7 +30,6 @@ HERE = pathlib.Path(__file__).resolve().parent
 #: name -> (batch, new tokens per sequence, cached tokens per sequence, block_size, backend)
 CASES = {
     "decode B=64 L=4096": (64, 1, 4095, 16, "auto"),
-    "decode B=16 L=32768": (16, 1, 32767, 16, "auto"),
     "prefill B=4 q=2048 bs=256 (prefill_wgmma)": (4, 2048, 0, 256, "prefill_wgmma"),
     "prefill B=4 q=2048 bs=16 (prefill)": (4, 2048, 0, 16, "prefill"),
     "chunked B=8 past=8192 q=512 bs=16 (prefill_wgmma)": (8, 512, 8192, 16, "prefill_wgmma"),

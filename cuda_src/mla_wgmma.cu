@@ -116,10 +116,10 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
   const int ntiles = keys.ntiles;
   if (tid == 0) {
     for (int st = 0; st < Cfg::STAGES; ++st) {
-      mbar_init(full(st), 128);
+      mbar_init(full(st), 2 * 128);  // two arrivals a copier thread: its cp.async copies', its own
       mbar_init(empty(st), 256);
     }
-    mbar_init(q_full, 128);
+    mbar_init(q_full, 2 * 128);
     mbar_init(p_full, 128);
     mbar_init(p_empty, 128);
     mbar_init_fence();
@@ -266,9 +266,11 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
           const T* src = key_cache + (unsigned long long)(row == MLA_NO_ROW ? 0u : row) * D + c * 8;
           cp_async_16_or_zero(dst + wg_off<KEYS>(key, c * 8), src, row != MLA_NO_ROW);
         }
-        mbar_track_cp_async(full(st));
+        mbar_arrive_on_cp_async(full(st));  // (each thread arrives twice: see the barriers' counts)
+        mbar_arrive(full(st));
+        return;
       }
-      mbar_arrive(full(st));
+      mbar_arrive2(full(st));
     };
     if (ntiles > 0) {
       if (btid == 0 && tma_box > 0) tma_prefetch_map(&tm_cache);
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
         const bool live = r >= tl.owned_lo && r < tl.owned_hi;
         cp_async_16_or_zero(q_a + wg_off<ROWS>(r, c * 8), live ? q + (tl.r0 + r) * D + c * 8 : q, live);
       }
-      mbar_track_cp_async(q_full);
+      mbar_arrive_on_cp_async(q_full);
       mbar_arrive(q_full);
       find_rows(0);
       issue(0);

@@ -11,9 +11,9 @@
 // causal, window, kv_len) and block validity are applied per element only on tiles that are not
 // wholly inside every row's range, and a warp skips tiles outside all of its rows' ranges. A key a
 // row does not admit never reaches its output (contract §4.4, non-finite values): masked scores are
-// selected to -inf, V values that meet P = 0 have Inf / NaN replaced by 0 (16-key steps outside the
-// warp's intersection of ranges; fp8 codes as they are widened), and rows without admitted keys
-// write zeros.
+// selected to -inf; V values that meet P = 0 have Inf / NaN replaced by 0 (the V rows of keys outside
+// the CTA's intersection of ranges, in shared memory before the products; fp8 codes as they are
+// widened), and rows without admitted keys write zeros.
 // Quantized tiles land as codes (packed 4-bit codes: rows of D/2 bytes; VCache, V's trait, may be the
 // other 4-bit kind) and are widened to T in shared memory; the K scale is folded into Q (PER_CHANNEL)
 // or the score scale (PER_TENSOR), the V scale into the epilogue.
@@ -100,6 +100,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   constexpr int WARPS = Cfg::WARPS, THREADS = WARPS * 32, ROWS = L::ROWS, KEYS = L::KEYS, NST = L::NST;
   constexpr int MASK_WORDS = KEYS / 32;
   constexpr bool CLEAN_CODES = Cache::quantized && !Cache::always_finite;  // fp8: NaN codes
+  constexpr bool CTA_INTER = CLEAN_CODES || !Cache::quantized;  // tiles outside sCtaInter are cleaned
   constexpr int CODE_ROW = L::code_row_bytes;  // bytes of a K or V row in a stage
   static_assert(Cache::quantized == VCache::quantized && Cache::PACK == VCache::PACK && VCache::always_finite ==
                 Cache::always_finite, "K and V caches of one storage layout");
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   __shared__ int sLo[ROWS], sHi[ROWS];  // admitted key range of each row (empty: zero output)
   __shared__ int sRangeLo[WARPS], sRangeHi[WARPS];
   __shared__ int sInterLo[WARPS], sInterHi[WARPS];  // per locating warp: the intersection of its live rows' ranges
-  __shared__ int2 sCtaInter;  // the intersection over the CTA's live rows (caches that may hold NaN codes)
+  __shared__ int2 sCtaInter;  // the intersection over the CTA's live rows (caches that may hold non-finite V)
   __shared__ int4 sWarpRange[WARPS];  // per warp: union lo, union hi, intersection lo, intersection hi
   T* sQ = reinterpret_cast<T*>(smem);
   unsigned char* stages = smem + L::q_bytes;
@@ -162,7 +163,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
       sRangeLo[warp] = rlo;
       sRangeHi[warp] = rhi;
     }
-    if constexpr (CLEAN_CODES) {
+    if constexpr (CTA_INTER) {
       const int ilo = __reduce_max_sync(0xffffffffu, live ? lo : RANGE_NONE_HI);
       const int ihi = __reduce_min_sync(0xffffffffu, live ? hi : RANGE_NONE_LO);
       if (lane == 0) {
@@ -178,7 +179,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
     klo = min(klo, sRangeLo[w]);
     khi = max(khi, sRangeHi[w]);
   }
-  if (CLEAN_CODES && tid == 0) {  // (read inside the key loop, after its first barrier)
+  if (CTA_INTER && tid == 0) {  // (read inside the key loop, after its first barrier)
     int2 inter = make_int2(RANGE_NONE_HI, RANGE_NONE_LO);
     for (int w = 0; w < ROWS / 32; ++w) inter = make_int2(max(inter.x, sInterLo[w]), min(inter.y, sInterHi[w]));
     sCtaInter = inter;
@@ -366,6 +367,27 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   for (int kt = 0; kt < ntiles; ++kt, stage = stage + 1 == NST ? 0 : stage + 1, slot = slot == NST ? 0 : slot + 1) {
     cp_async_wait<NST - 2>();
     __syncthreads();
+    if constexpr (!Cache::quantized) {
+      // A tile with keys some live row of the CTA does not admit (outside sCtaInter): the whole CTA
+      // replaces the Inf / NaN values of those keys' V rows by 0 in shared memory, then waits for it,
+      // before any warp's P V reads the tile (where such a key meets P = 0, 0 times Inf or NaN would
+      // be NaN; for a row that admits the key the result is unspecified anyway). Tiles inside the
+      // intersection -- all but the few on a causal diagonal or a window's edge -- cost a compare.
+      const int kt0 = klo + kt * KEYS;
+      const int2 inter = sCtaInter;
+      if (kt0 < inter.x || kt0 + KEYS > inter.y) {
+        // (one 32-bit word at a time: the loop runs beside the live accumulators, in few registers)
+        unsigned* v_tile = reinterpret_cast<unsigned*>(stages + stage * L::stage_bytes + KEYS * ROW_BYTES);
+#pragma unroll 1
+        for (int c = tid; c < KEYS * (ROW_BYTES / 4); c += THREADS) {
+          const int k = kt0 + c / (ROW_BYTES / 4);
+          if (k >= inter.x && k < inter.y) continue;
+          const unsigned w = v_tile[c], f = finite_or_zero2<T>(w);
+          if (f != w) v_tile[c] = f;
+        }
+        __syncthreads();
+      }
+    }
     if (kt + NST - 1 < ntiles) load_tile(stage == 0 ? NST - 1 : stage - 1, slot <= 1 ? slot + NST - 1 : slot - 2);
     cp_async_commit();
     if (kt + NST < ntiles) find_rows(kt + NST, slot == 0 ? NST : slot - 1);  // read after the next barrier
@@ -540,19 +562,8 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
       }
     }
 
-    // O += P V; each V fragment serves all MT tiles. A key that some live row of the warp does not
-    // admit (outside the intersection of their ranges: causal future, left of a window, another
-    // row's position) has P = 0 there, and 0 times an Inf or NaN V element is NaN: the 16-key steps
-    // holding such keys read V with non-finite values replaced by 0 (for a row that admits the key
-    // the result is unspecified anyway). Masked keys were zero-filled; interior tiles need nothing
-    // (16-bit caches; fp8 codes are cleaned as they are widened, above. The intersection is read
-    // again: no register holds it across the products.)
-    bool clean_v[KEYS / 16];
-    if constexpr (!Cache::quantized) {
-      const int4 inter = sWarpRange[warp];
-#pragma unroll
-      for (int j2 = 0; j2 < KEYS / 16; ++j2) clean_v[j2] = !(kt0 + 16 * j2 >= inter.z && kt0 + 16 * j2 + 16 <= inter.w);
-    }
+    // O += P V; each V fragment serves all MT tiles. (Masked keys were zero-filled and the V rows of
+    // keys outside the CTA's intersection of ranges cleaned, above: P = 0 never meets Inf or NaN.)
 #pragma unroll
     for (int j2 = 0; j2 < KEYS / 16; ++j2) {
       unsigned a[MT][4];
@@ -567,10 +578,6 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
       for (int nn = 0; nn < D / 16; ++nn) {
         unsigned bv[4];
         ldsm_x4_trans(bv, step_addr(v_base, nn) + j2 * 16 * ROW_BYTES);
-        if (!Cache::quantized && clean_v[j2]) {  // (uniform in the warp)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) bv[e] = finite_or_zero2<T>(bv[e]);
-        }
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           Mma<T>::run(o[m][2 * nn], a[m], bv[0], bv[1]);

@@ -35,8 +35,10 @@
 // copiers) and per stage (K and V apart) replace the per-tile CTA barrier. A key a row does not admit
 // never reaches its output: masked scores are selected to -inf, V rows that meet P = 0 in a tile are
 // cleaned of Inf / NaN before the product (clean_v), and rows without admitted keys write zeros.
-// Ordering: TMA writes complete the full barriers' tx bytes (expect_tx by the issuing lane first),
-// cp.async writes are tracked by them (cp.async.mbarrier.arrive), and the consumers run
+// Ordering: TMA writes complete the full barriers' tx bytes (expect_tx by the issuing lane first);
+// q_full, k_full and v_full count two arrivals a thread: a thread that copied with cp.async arrives
+// once when its copies land (cp.async.mbarrier.arrive.noinc) and once itself, any other thread twice
+// at once; the consumers run
 // fence.proxy.async after each wait, before wgmma reads the data (async proxy); a
 // consumer releases a stage after wgmma.wait_group, whose completion orders its reads before the
 // copier's next writes (wgmma.cuh). Every wgmma is issued unconditionally (see the consumer loop).
@@ -160,14 +162,14 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   if (tid == 0) {
     for (int i = 0; i < NQ; ++i) {
-      mbar_init(q_full(i), ST);
+      mbar_init(q_full(i), 2 * ST);  // two arrivals a thread (see Ordering)
       mbar_init(q_empty(i), CT);
       mbar_init(info_full(i), 1);
       mbar_init(info_empty(i), CPT);
     }
     for (int s = 0; s < NST; ++s) {
-      mbar_init(k_full(s), CPT);
-      mbar_init(v_full(s), CPT);
+      mbar_init(k_full(s), 2 * CPT);
+      mbar_init(v_full(s), 2 * CPT);
       mbar_init(k_empty(s), CT);
       mbar_init(v_empty(s), CT);
     }
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             sItem[buf].ntiles = -1;
             mbar_arrive(info_full(buf));
           }
-          mbar_arrive(q_full(buf));
+          mbar_arrive2(q_full(buf));
           break;
         }
 #pragma unroll
@@ -266,7 +268,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             cp_async_16_or_zero(dq + wg_off<ROWS>(r, col), src, live);
           }
         }
-        mbar_track_cp_async(q_full(buf));
+        mbar_arrive_on_cp_async(q_full(buf));  // when the thread's Q rows land
         mbar_arrive(q_full(buf));  // also publishes sTok.. sHi and sItem (release)
         ++n;
       }
@@ -389,19 +391,21 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             __syncwarp();
             if (box > 0) {
               if (lane == 0) load_boxes(dst, false, k_full(st));
+              mbar_arrive2(k_full(st));
             } else {
               copy_tile(dst, source(false));
-              mbar_track_cp_async(k_full(st));
+              mbar_arrive_on_cp_async(k_full(st));
+              mbar_arrive(k_full(st));
             }
-            mbar_arrive(k_full(st));
             if (it >= NST) mbar_wait(v_empty(st), parity);
             if (box > 0) {
               if (lane == 0) load_boxes(dst + L::tile_bytes, true, v_full(st));
+              mbar_arrive2(v_full(st));
             } else {
               copy_tile(dst + L::tile_bytes, source(true));
-              mbar_track_cp_async(v_full(st));
+              mbar_arrive_on_cp_async(v_full(st));
+              mbar_arrive(v_full(st));
             }
-            mbar_arrive(v_full(st));
           }
         };
         if (item.from_inputs ? tma_inputs : tma_box > 0) {
@@ -482,11 +486,12 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     // its own product reads them, so the bits do not depend on timing; the fence.proxy.async that
     // follows orders the writes before wgmma's reads, and the stage's release orders them before the
     // copier's next writes. Masked keys (below kmin, from khi on, unmapped) were zero-filled; a tile
-    // inside the intersection costs a few compares.
+    // inside the intersection costs two compares.
+    const int2 in = sItem[buf].all;  // (a register: most tiles lie inside it and return at once)
     auto clean_v = [&](int st, int kt) {
       const int kt0 = klo + kt * KEYS;
+      if (kt0 >= in.x && kt0 + KEYS <= in.y) return;
       const int a = max(kt0, sItem[buf].kmin), b = min(kt0 + KEYS, sItem[buf].khi);
-      const int2 in = sItem[buf].all;
       const bool none = in.x >= in.y;  // (no key every live row admits)
       const int hi1 = none ? b : min(b, in.x), lo2 = none ? b : max(a, in.y);
       const int n1 = max(0, hi1 - a), n2 = max(0, b - lo2);  // keys [a, hi1) and [lo2, b)
