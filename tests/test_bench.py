@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,7 +226,7 @@ def test_merge_unions_runs(smoke, tmp_path):
     merged = json.loads(out.read_text())
     assert [r["id"] for r in merged["cases"]] == [r["id"] for r in payload["cases"]]
     assert merged["roofline"]["read_tb_per_s"] >= b["probes"][0]["read"]["tb_per_s"]
-    assert merged["merged_from"] == [str(pa), str(pb)]
+    assert merged["merged_from"] == [pa.name, pb.name]
 
 
 def test_only_selects_suites_and_cases():
@@ -664,3 +665,20 @@ def test_host_floor_replays_the_calls_launches():
         fake.launches.clear()
         floor()
         assert fake.launches == call and len(call) == 2
+
+
+def test_readme_table_and_peer_list_are_generated_from_the_committed_results():
+    """The README's performance table and docs/benchmarks.md's list of the cases where a peer is faster are
+    what cupa.bench.report makes of benchmarks/results/bench_h200.json."""
+    repo = Path(__file__).resolve().parent.parent
+    payload = json.loads((repo / "benchmarks/results/bench_h200.json").read_text())
+
+    def section(path, begin, end):
+        text = (repo / path).read_text()
+        return text[text.index(begin):text.index(end)].splitlines()[1:]
+
+    assert section("README.md", "<!-- bench table:", "<!-- end bench table -->") == report.readme_table(payload)
+    assert (section("docs/benchmarks.md", "<!-- peers faster:", "<!-- end peers faster -->")
+            == report.peers_faster_lines(payload))
+    assert report.peers_faster(payload), "the committed run has cases where a peer is faster"
+    assert all(ratio < 1 for *_, ratio in report.peers_faster(payload))

@@ -316,7 +316,10 @@ def merge(payloads: list, sources: list) -> dict:
         raise ValueError("merge: no result files")
     devices = {(p.get("environment") or {}).get("machine", {}).get("device") for p in payloads}
     merged = dict(payloads[0])
-    merged["merged_from"] = [str(s) for s in sources]
+    merged["merged_from"] = [Path(str(s)).name for s in sources]
+    commands = [p.get("command") for p in payloads if p.get("command")]
+    if commands:   # every run's command, in order (one command when they are all the same)
+        merged["command"] = "; ".join(dict.fromkeys(commands))
     if len(devices) > 1:
         merged["warning"] = f"merged runs come from different machines: {sorted(map(str, devices))}"
     cases = {}
@@ -336,3 +339,59 @@ def merge(payloads: list, sources: list) -> dict:
     merged["peers"], merged["suites"] = peers, suites
     merged.pop("compare", None)
     return finalize(merged)
+
+
+#: The README's performance table: (case id, label) rows and the peer columns, from one result file.
+README_ROWS = (
+    ("decode/B=64 L=4096", "decode B=64, L=4096"),
+    ("decode/B=16 L=32768", "decode B=16, L=32768"),
+    ("decode/B=8 L=8192", "decode B=8, L=8192"),
+    ("decode/B=64 L=4096 int8/per-channel", "decode int8 per-channel, B=64, L=4096"),
+    ("decode/B=64 L=4096 fp8/per-tensor", "decode fp8 per-tensor, B=64, L=4096"),
+    ("decode/B=64 L=4096 int4/per-channel", "decode int4 per-channel, B=64, L=4096"),
+    ("prefill/B=4 q=2048", "causal prefill B=4 x 2048"),
+    ("chunked/B=8 past=8192 q=512", "chunked prefill B=8 x (8192 + 512)"),
+    ("mixed/decode 64x4096 + prefill 512@0", "64 decodes + one 512-token prefill"),
+    ("mla/B=64 L=4096 H=128", "MLA decode B=64, L=4096, 128 heads"),
+    ("mla/B=4 L=4608 H=128 q=512", "MLA chunked prefill B=4 x (4096 + 512)"),
+)
+README_PEERS = ("torch_sdpa_cudnn", "flashinfer", "onnxruntime")
+
+
+def readme_table(payload: dict, rows=README_ROWS, peers=README_PEERS) -> list:
+    """Markdown lines of the README's performance table: cupa's time, rate and fraction of the
+    roofline, and each peer's time with its ratio (other / cupa) where it ran."""
+    index = {r["id"]: r for r in payload["cases"]}
+    lines = ["| case | cupa | rate | of roofline | " + " | ".join(peers) + " |",
+             "|---" * (4 + len(peers)) + "|"]
+    for case_id, label in rows:
+        rec = index.get(case_id)
+        if rec is None:
+            continue
+        us, thr, frac = _headline(rec)
+        cells = [_cell((rec.get("peers") or {}).get(p)) for p in peers]
+        cells = ["-" if c in ("unsupported", "missing") else c for c in cells]
+        lines.append(f"| {label} | {us} | {thr} | {frac} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def peers_faster(payload: dict) -> list:
+    """Every (case id, peer, peer time, cupa time, ratio) where a peer that ran and agreed with cupa
+    took less time than cupa (ratio = peer / cupa < 1), slowest ratio first."""
+    found = []
+    for rec in payload["cases"]:
+        m = rec.get("cupa")
+        if not _ok(m):
+            continue
+        for name, p in (rec.get("peers") or {}).items():
+            if _ok(p) and p.get("agrees") is not False and p["median_us"] < m["median_us"]:
+                found.append((rec["id"], name, p["median_us"], m["median_us"], p["median_us"] / m["median_us"]))
+    return sorted(found, key=lambda f: f[4])
+
+
+def peers_faster_lines(payload: dict) -> list:
+    """:func:`peers_faster` as markdown table lines."""
+    lines = ["| case | peer | peer | cupa | peer / cupa |", "|---|---|---|---|---|"]
+    for case_id, name, peer_us, cupa_us, ratio in peers_faster(payload):
+        lines.append(f"| {case_id} | {name} | {_fmt_us(peer_us)} us | {_fmt_us(cupa_us)} us | {ratio:.2f} |")
+    return lines
