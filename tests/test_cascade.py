@@ -95,13 +95,15 @@ def test_heads_prefix_split_by_keys(rng, feature, splits):
 def test_prefix_splits_for_fills_the_device():
     from cupa.cascade import MAX_PREFIX_SPLITS, prefix_splits_for
 
-    # the benchmark case: 64 tokens x 4 heads a KV head = 2 row tiles x 8 KV heads; 132 SMs -> 8 splits of 1024 keys
-    assert prefix_splits_for(64, 32, 8, 8192, 16, 132) == 8
-    assert prefix_splits_for(64, 32, 8, 1024, 16, 132) == 2          # at least 512 keys a split
-    assert prefix_splits_for(4096, 32, 8, 8192, 16, 132) == 1        # the row tiles fill the device already
+    # the benchmark case: 64 tokens x 4 heads a KV head = 2 row tiles x 8 KV heads; 132 SMs would take 8 splits,
+    # at least MIN_SPLIT_KEYS (2048) keys a split leaves 4
+    assert prefix_splits_for(64, 32, 8, 8192, 16, 132) == 4
+    assert prefix_splits_for(64, 32, 8, 4096, 16, 132) == 2
+    assert prefix_splits_for(64, 32, 8, 1024, 16, 132) == 1
+    assert prefix_splits_for(4096, 32, 8, 65536, 16, 132) == 1       # the row tiles fill the device already
     assert prefix_splits_for(1, 8, 1, 1 << 20, 16, 1000) == MAX_PREFIX_SPLITS
-    assert prefix_splits_for(64, 32, 8, 48, 16, 132) == 1            # 3 blocks, fewer than 512 keys
-    assert prefix_splits_for(1, 8, 8, 7 * 512, 512, 132) == 7        # whole blocks: 7 runs of one
+    assert prefix_splits_for(1, 8, 8, 7 * 2048, 2048, 132) == 7      # whole blocks: 7 runs of one
+    assert prefix_splits_for(1, 8, 8, 5 * 4096, 1024, 132) == 10     # 20 blocks: runs of 2 blocks
 
 
 def test_prefix_splits_errors(rng):

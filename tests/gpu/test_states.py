@@ -231,22 +231,17 @@ def test_cascade_equals_the_plain_call_on_the_device(cp, rng, mode, features):
 
 
 @pytest.mark.parametrize("splits, prefix, features", [(3, 512, dict()), (3, 512, dict(cache="int8", sink=True)),
-                                                     ("auto", 4096, dict()), ("auto", 4096, dict(sink=True, softcap=30.0)),
+                                                     (2, 4096, dict(sink=True, softcap=30.0)),
                                                      (15, 4096, dict(dtype="bfloat16"))])
 def test_cascade_heads_prefix_split_by_keys_on_the_device(cp, rng, splits, prefix, features):
     """The heads form with its shared keys in runs (one prefix-call sequence each), the merge reading the
-    prefix's KV-head-major rows: equal to the reference and the plain call. With a 4096-key prefix and 16
-    tokens, "auto" takes 8 runs on an H200 and the prefix call goes to a tensor-core prefill kernel."""
+    prefix's KV-head-major rows: equal to the reference and the plain call."""
     inputs, attrs = _shared_prefix(rng, prefix=prefix, **features)
     want_out, want_lse = _lse_reference(inputs, attrs)
     plain = util.to_device(cp, inputs)
     plain_out = cupa.paged_attention(**plain, **attrs)
     dev = util.to_device(cp, inputs)
     op = cupa.CascadeAttention(prefix_len=prefix, prefix_mode="heads", prefix_splits=splits, return_lse=True, **attrs)
-    text = op.describe(**dev)
-    if splits == "auto":
-        assert "in 8 run(s) of up to 512 keys" in text, text
-        assert op.backends(**dev)[0] in ("prefill_wgmma", "prefill"), text
     out, lse = op(**dev)
     dtype = np.dtype(inputs["query"].dtype).name
     assert util.rel_err(cp.asnumpy(out), want_out) < util.TOLERANCE[dtype]
@@ -254,6 +249,23 @@ def test_cascade_heads_prefix_split_by_keys_on_the_device(cp, rng, splits, prefi
     _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
     for name in ("key_cache", "value_cache"):
         assert np.array_equal(cp.asnumpy(dev[name]).view(np.uint8), cp.asnumpy(plain[name]).view(np.uint8)), name
+
+
+def test_cascade_auto_splits_on_the_benchmark_shape(cp, rng):
+    """64 decode tokens (GQA 32/8, D=128) over an 8192-key shared prefix: "auto" takes 4 runs of 2048 keys
+    on an H200, the prefix call goes to a tensor-core prefill kernel, and the step equals the plain call."""
+    inputs, attrs = _shared_prefix(rng, B=64, prefix=8192, own=(0, 64))
+    plain = util.to_device(cp, inputs)
+    plain_out, plain_lse = cupa.paged_attention(**plain, **attrs, return_lse=True)
+    dev = util.to_device(cp, inputs)
+    op = cupa.CascadeAttention(prefix_len=8192, return_lse=True, **attrs)
+    text = op.describe(**dev)
+    if cp.cuda.Device().attributes["MultiProcessorCount"] >= 128:
+        assert "in 4 run(s) of up to 2048 keys" in text, text
+        assert op.backends(**dev)[0] in ("prefill_wgmma", "prefill"), text
+    out, lse = op(**dev)
+    assert util.rel_err(cp.asnumpy(out), cp.asnumpy(plain_out)) < util.TOLERANCE["float16"]
+    _lse_match(cp.asnumpy(lse), cp.asnumpy(plain_lse), tol=1e-4)
 
 
 def test_cascade_with_torch_tensors(cp, torch_cuda, rng):
