@@ -4,7 +4,8 @@ Each configuration is drawn from its own seed (printed, and written to the JSON 
 contract: T, head sizes (multiples of 8 up to 256), block sizes (1, non-powers of two, up to 256), GQA
 groups, ragged batches with zero-token sequences, packed QKV, RoPE (half or interleaved, partial,
 offset), QK-norm, sinks, softcap, windows, is_causal=0, explicit slots and positions, T / int8 / fp8
-caches with mixed granularities, attention_metadata absent, tight or loose, an empty cache, and
+caches and packed int4 / e2m1 4-bit ones (K and V of either 4-bit kind) with mixed granularities,
+attention_metadata absent, tight or loose, an empty cache, and
 malformed data (bad block ids, bad slots, negative or oversized lengths, decreasing cum, negative or
 out-of-range positions). Every configuration runs on the backend dispatch chooses and on every other
 CUDA backend that serves it (``cupa.Options(backend=...)``, verified or not), with the output poisoned.
@@ -52,8 +53,16 @@ def draw(seed: int) -> tuple:
     if sum(q_lens) == 0:
         q_lens[0] = 1
     cache = "T" if dtype == "float32" else pick(("T", "T", "int8", "fp8"))
+    # packed 4-bit caches (D % 8 == 0), drawn from a stream of their own so that the other seeds draw what
+    # they drew before these kinds were part of the fuzz; K and V may be of different 4-bit kinds
+    sub = np.random.default_rng((seed, 4))
+    v_cache = None
+    if dtype != "float32" and D % 8 == 0 and sub.random() < 0.2:
+        cache = ("int4", "fp4")[int(sub.integers(2))]
+        v_cache = ("int4", "fp4")[int(sub.integers(2))] if sub.random() < 0.3 else None
     quants = ("PER_TENSOR", "PER_CHANNEL")
     kw = dict(B=B, H=H, Hk=Hk, D=D, block_size=block_size, dtype=dtype, q_lens=q_lens, past=past, cache=cache,
+              v_cache=v_cache,
               k_quant=pick(quants), v_quant=pick(quants), packed=bool(rng.random() < 0.2),
               qk_norm=bool(rng.random() < 0.2), sink=bool(rng.random() < 0.3),
               softcap=float(pick((0.0, 0.0, 0.0, 20.0))), window=int(pick((-1, -1, -1, 1, 7, 40, 200))),
@@ -126,7 +135,8 @@ def draw(seed: int) -> tuple:
         notes.append("loose metadata")
     if inputs.get("query_positions") is not None and attrs.get("do_rotary"):
         inputs["query_positions"] = np.minimum(inputs["query_positions"], inputs["cos_cache"].shape[0] + 3)
-    desc = dict(seed=seed, dtype=dtype, D=D, H=H, Hk=Hk, block_size=block_size, B=B, cache=cache, notes=notes,
+    desc = dict(seed=seed, dtype=dtype, D=D, H=H, Hk=Hk, block_size=block_size, B=B, cache=cache,
+                v_cache=v_cache or cache, notes=notes,
                 q_lens=[int(x) for x in q_lens_now], past=[int(x) for x in inputs["past_seqlens"]])
     return inputs, attrs, metadata, desc
 
@@ -214,9 +224,10 @@ def check_one(seed: int, only=None, malformed_only: bool = False, skip=()) -> di
             err = util.rel_err(host, ref)
             if not err < util.TOLERANCE[dtype]:
                 problems.append(f"relative error {err:.3g} >= {util.TOLERANCE[dtype]}")
-            for which in ("key_cache", "value_cache"):
+            for which, kind in (("key_cache", cache), ("value_cache", desc["v_cache"])):
                 try:
-                    util.assert_cache_close(cp.asnumpy(dev[which]), ref_in[which], steps=1, what=which, fp32_rows=True)
+                    util.assert_cache_close(cp.asnumpy(dev[which]), ref_in[which], steps=1, what=which, fp32_rows=True,
+                                            packed=kind if kind in ("int4", "fp4") else None)
                 except AssertionError as exc:
                     problems.append(str(exc))
             record["backends"][name] = "ok" if not problems else "; ".join(problems)

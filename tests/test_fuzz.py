@@ -16,9 +16,13 @@ def test_configurations_are_valid_calls_of_every_kind():
         assert np.isfinite(out.astype(np.float32)).all() or desc["cache"] != "T", desc
         seen.update(desc["notes"])
         seen.update({f"cache={desc['cache']}", f"dtype={desc['dtype']}", f"bs={desc['block_size']}"})
+        if desc["v_cache"] != desc["cache"]:
+            seen.add("mixed 4-bit kinds")
     for want in ("decode", "prefill", "chunked", "mixed", "slot_mapping", "negative past", "empty cache",
-                 "tight metadata", "cache=int8", "cache=fp8", "dtype=bfloat16", "bs=1", "bs=17"):
+                 "tight metadata", "cache=int8", "cache=fp8", "cache=int4", "cache=fp4", "dtype=bfloat16", "bs=1",
+                 "bs=17"):
         assert want in seen, (want, sorted(seen))
+    assert "mixed 4-bit kinds" in seen
 
 
 def test_the_same_seed_draws_the_same_configuration():
