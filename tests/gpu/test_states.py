@@ -31,13 +31,6 @@ def _states(rng, S, N=37, H=4, Dv=128, dtype="float16"):
     return outs, lses
 
 
-def _lse_match(got, want, tol=1e-5):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.array_equal(np.isneginf(got), np.isneginf(want))
-    live = np.isfinite(want)
-    np.testing.assert_allclose(got[live], want[live], rtol=tol, atol=tol)
-
-
 # -- the merge kernel -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
@@ -70,7 +63,7 @@ def test_merge_kernel_matches_the_float64_merge(cp, rng, dtype, S, stacked, Dv, 
         bad = ~(np.abs(host.astype(np.float64) - ref) <= allowed)
         assert not bad.any(), (f"merged output: {int(bad.sum())} elements beyond 1 ulp + fp32 rounding; first at "
                                f"{np.argwhere(bad)[0].tolist()}")
-    _lse_match(cp.asnumpy(got_lse), lse64)
+    util.assert_lse_close(cp.asnumpy(got_lse), lse64, tol=1e-5)
     again = cupa.merge_states(dev_outs, dev_lses, head_sink=None if head_sink is None else cp.asarray(head_sink))
     assert np.array_equal(cp.asnumpy(again[0]).view(np.uint8), host.view(np.uint8)), "not deterministic"
 
@@ -114,7 +107,7 @@ def test_merge_is_capturable(cp, rng):
             g.stream.synchronize()
         want = cupa.merge_states(new_outs, new_lses)
         assert rel_err(cp.asnumpy(out), want[0]) < 2e-3
-        _lse_match(cp.asnumpy(out_lse), want[1])
+        util.assert_lse_close(cp.asnumpy(out_lse), want[1], tol=1e-5)
 
 
 # -- return_lse on every CUDA backend (needs the backends to serve it) ---------------------------------
@@ -151,7 +144,7 @@ def test_return_lse_on_every_backend(cp, rng, case, backend):
     out, lse = op(**dev)
     host = cp.asnumpy(out)
     assert util.rel_err(host, want_out) < util.TOLERANCE[problem.dtype]
-    _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
+    util.assert_lse_close(cp.asnumpy(lse), want_lse, tol=1e-4)
     again_out, again_lse = cupa.PagedAttention(**attrs, return_lse=True)(**util.to_device(cp, inputs))
     assert np.array_equal(cp.asnumpy(again_lse), cp.asnumpy(lse)), "lse not deterministic"
 
@@ -173,7 +166,7 @@ def test_return_lse_of_invalid_and_unowned_tokens(cp, rng, backend):
     want_out, want_lse = _lse_reference(inputs, attrs)
     assert np.isneginf(want_lse[40:49]).all() and np.isneginf(want_lse[-7:]).all()
     out, lse = op(**dev)
-    _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
+    util.assert_lse_close(cp.asnumpy(lse), want_lse, tol=1e-4)
     assert util.rel_err(cp.asnumpy(out), want_out) < util.TOLERANCE["float16"]
 
 
@@ -198,7 +191,7 @@ def test_key_shards_merge_to_the_unsplit_call_on_the_device(cp, rng, case):
     parts = [cupa.paged_attention(**dict(dev, block_table=cp.asarray(t)), **attrs, return_lse=True) for t in tables]
     out, lse = cupa.merge_states([p[0] for p in parts], [p[1] for p in parts], head_sink=sink)
     assert util.rel_err(cp.asnumpy(out), want_out) < util.TOLERANCE[np.dtype(inputs["query"].dtype).name]
-    _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
+    util.assert_lse_close(cp.asnumpy(lse), want_lse, tol=1e-4)
 
 
 def _shared_prefix(rng, B=16, prefix=512, own=(0, 100), **kw):
@@ -225,7 +218,7 @@ def test_cascade_equals_the_plain_call_on_the_device(cp, rng, mode, features):
     dtype = np.dtype(inputs["query"].dtype).name
     assert util.rel_err(cp.asnumpy(out), want_out) < util.TOLERANCE[dtype]
     assert util.rel_err(cp.asnumpy(out), cp.asnumpy(plain_out)) < util.TOLERANCE[dtype]
-    _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
+    util.assert_lse_close(cp.asnumpy(lse), want_lse, tol=1e-4)
     for name in ("key_cache", "value_cache"):
         assert np.array_equal(cp.asnumpy(dev[name]).view(np.uint8), cp.asnumpy(plain[name]).view(np.uint8)), name
 
@@ -246,7 +239,7 @@ def test_cascade_heads_prefix_split_by_keys_on_the_device(cp, rng, splits, prefi
     dtype = np.dtype(inputs["query"].dtype).name
     assert util.rel_err(cp.asnumpy(out), want_out) < util.TOLERANCE[dtype]
     assert util.rel_err(cp.asnumpy(out), cp.asnumpy(plain_out)) < util.TOLERANCE[dtype]
-    _lse_match(cp.asnumpy(lse), want_lse, tol=1e-4)
+    util.assert_lse_close(cp.asnumpy(lse), want_lse, tol=1e-4)
     for name in ("key_cache", "value_cache"):
         assert np.array_equal(cp.asnumpy(dev[name]).view(np.uint8), cp.asnumpy(plain[name]).view(np.uint8)), name
 
@@ -265,7 +258,7 @@ def test_cascade_auto_splits_on_the_benchmark_shape(cp, rng):
         assert op.backends(**dev)[0] in ("prefill_wgmma", "prefill"), text
     out, lse = op(**dev)
     assert util.rel_err(cp.asnumpy(out), cp.asnumpy(plain_out)) < util.TOLERANCE["float16"]
-    _lse_match(cp.asnumpy(lse), cp.asnumpy(plain_lse), tol=1e-4)
+    util.assert_lse_close(cp.asnumpy(lse), cp.asnumpy(plain_lse), tol=1e-4)
 
 
 def test_cascade_with_torch_tensors(cp, torch_cuda, rng):
