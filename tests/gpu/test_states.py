@@ -202,18 +202,13 @@ def _shared_prefix(rng, B=16, prefix=512, own=(0, 100), **kw):
     return inputs, attrs
 
 
-@pytest.mark.parametrize("mode", ["heads", "tokens"])
-@pytest.mark.parametrize("features", [dict(), dict(sink=True, softcap=30.0), dict(cache="int8"),
-                                      dict(rotary=True), dict(window=300, sink=True)])
-def test_cascade_equals_the_plain_call_on_the_device(cp, rng, mode, features):
-    if mode == "heads" and (features.get("rotary") or features.get("window", -1) > 0):
-        mode = "auto"
-    inputs, attrs = _shared_prefix(rng, **features)
+def _check_cascade(cp, inputs, attrs, prefix, **cascade):
+    """A cascade step on the device against the reference and the plain call: output, lse, cache bytes."""
     want_out, want_lse = _lse_reference(inputs, attrs)
     plain = util.to_device(cp, inputs)
     plain_out = cupa.paged_attention(**plain, **attrs)
     dev = util.to_device(cp, inputs)
-    op = cupa.CascadeAttention(prefix_len=512, prefix_mode=mode, return_lse=True, **attrs)
+    op = cupa.CascadeAttention(prefix_len=prefix, return_lse=True, **cascade, **attrs)
     out, lse = op(**dev)
     dtype = np.dtype(inputs["query"].dtype).name
     assert util.rel_err(cp.asnumpy(out), want_out) < util.TOLERANCE[dtype]
@@ -221,6 +216,16 @@ def test_cascade_equals_the_plain_call_on_the_device(cp, rng, mode, features):
     util.assert_lse_close(cp.asnumpy(lse), want_lse, tol=1e-4)
     for name in ("key_cache", "value_cache"):
         assert np.array_equal(cp.asnumpy(dev[name]).view(np.uint8), cp.asnumpy(plain[name]).view(np.uint8)), name
+
+
+@pytest.mark.parametrize("mode", ["heads", "tokens"])
+@pytest.mark.parametrize("features", [dict(), dict(sink=True, softcap=30.0), dict(cache="int8"),
+                                      dict(rotary=True), dict(window=300, sink=True)])
+def test_cascade_equals_the_plain_call_on_the_device(cp, rng, mode, features):
+    if mode == "heads" and (features.get("rotary") or features.get("window", -1) > 0):
+        mode = "auto"
+    inputs, attrs = _shared_prefix(rng, **features)
+    _check_cascade(cp, inputs, attrs, 512, prefix_mode=mode)
 
 
 @pytest.mark.parametrize("splits, prefix, features", [(3, 512, dict()), (3, 512, dict(cache="int8", sink=True)),
@@ -230,18 +235,7 @@ def test_cascade_heads_prefix_split_by_keys_on_the_device(cp, rng, splits, prefi
     """The heads form with its shared keys in runs (one prefix-call sequence each), the merge reading the
     prefix's KV-head-major rows: equal to the reference and the plain call."""
     inputs, attrs = _shared_prefix(rng, prefix=prefix, **features)
-    want_out, want_lse = _lse_reference(inputs, attrs)
-    plain = util.to_device(cp, inputs)
-    plain_out = cupa.paged_attention(**plain, **attrs)
-    dev = util.to_device(cp, inputs)
-    op = cupa.CascadeAttention(prefix_len=prefix, prefix_mode="heads", prefix_splits=splits, return_lse=True, **attrs)
-    out, lse = op(**dev)
-    dtype = np.dtype(inputs["query"].dtype).name
-    assert util.rel_err(cp.asnumpy(out), want_out) < util.TOLERANCE[dtype]
-    assert util.rel_err(cp.asnumpy(out), cp.asnumpy(plain_out)) < util.TOLERANCE[dtype]
-    util.assert_lse_close(cp.asnumpy(lse), want_lse, tol=1e-4)
-    for name in ("key_cache", "value_cache"):
-        assert np.array_equal(cp.asnumpy(dev[name]).view(np.uint8), cp.asnumpy(plain[name]).view(np.uint8)), name
+    _check_cascade(cp, inputs, attrs, prefix, prefix_mode="heads", prefix_splits=splits)
 
 
 def test_cascade_auto_splits_on_the_benchmark_shape(cp, rng):
