@@ -130,7 +130,7 @@ class CascadeAttention:
         self.options = self._plain.options
         self._parts = {k: v for k, v in a.as_dict().items() if k not in ("return_lse", "qk_output")}
         self._suffix = PagedAttention(**self._parts, return_lse=True, options=self.options)
-        self._steps = {}   # (problem, device key) -> _Step
+        self._steps = {}   # (problem, CUDA ordinal or None) -> _Step
 
     def __repr__(self) -> str:
         return (f"CascadeAttention(prefix_len={self.prefix_len}, prefix_mode={self.prefix_mode!r}, "
