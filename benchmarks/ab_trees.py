@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--cases", default="", help="only the cases whose name contains this text")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
     result = {"label": args.label, "commit": args.commit, "cupa": str(pathlib.Path(cupa.__file__).parent),
               "reps": args.reps, "cases": {}}
     for name, (B, q, past, bs, backend) in CASES.items():
+        if args.cases not in name:
+            continue
         inputs = build(cp, B, q, past, bs)
         op = cupa.PagedAttention(num_heads=32, kv_num_heads=8, options=cupa.Options(backend=backend))
         first = op(**inputs)

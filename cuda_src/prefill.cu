@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
     klo = min(klo, sRangeLo[w]);
     khi = max(khi, sRangeHi[w]);
   }
-  if (CTA_INTER && tid == 0) {  // (read inside the key loop, after its first barrier)
+  if (CTA_INTER && tid == 0) {  // (read in the key loop: the barrier before it orders the write)
     int2 inter = make_int2(RANGE_NONE_HI, RANGE_NONE_LO);
     for (int w = 0; w < ROWS / 32; ++w) inter = make_int2(max(inter.x, sInterLo[w]), min(inter.y, sInterHi[w]));
     sCtaInter = inter;
@@ -365,29 +365,34 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
 
   int stage = 0, slot = 0;  // kt % NST, kt % (NST + 1)
   for (int kt = 0; kt < ntiles; ++kt, stage = stage + 1 == NST ? 0 : stage + 1, slot = slot == NST ? 0 : slot + 1) {
-    cp_async_wait<NST - 2>();
-    __syncthreads();
+    int2 inter;
+    if constexpr (!Cache::quantized) inter = sCtaInter;  // (read first: its latency passes in the wait)
+    cp_async_wait<NST - 2>();  // this thread's copies of tile kt have landed
     if constexpr (!Cache::quantized) {
-      // A tile with keys some live row of the CTA does not admit (outside sCtaInter): the whole CTA
-      // replaces the Inf / NaN values of those keys' V rows by 0 in shared memory, then waits for it,
-      // before any warp's P V reads the tile (where such a key meets P = 0, 0 times Inf or NaN would
-      // be NaN; for a row that admits the key the result is unspecified anyway). Tiles inside the
-      // intersection -- all but the few on a causal diagonal or a window's edge -- cost a compare.
+      // A tile with keys some live row of the CTA does not admit (outside sCtaInter): each thread
+      // replaces the Inf / NaN values of the V chunks it copied for those keys by 0 in shared memory,
+      // before the barrier that publishes the tile (where such a key meets P = 0, 0 times Inf or NaN
+      // would be NaN; for a row that admits the key the result is unspecified anyway). A thread's own
+      // cp.async writes are visible to it after the wait, and nothing reads the stage before the
+      // barrier. Tiles inside the intersection -- all but the few on a causal diagonal or a window's
+      // edge -- cost a compare; masked keys (from khi on) were zero-filled.
       const int kt0 = klo + kt * KEYS;
-      const int2 inter = sCtaInter;
       if (kt0 < inter.x || kt0 + KEYS > inter.y) {
-        // (one 32-bit word at a time: the loop runs beside the live accumulators, in few registers)
-        unsigned* v_tile = reinterpret_cast<unsigned*>(stages + stage * L::stage_bytes + KEYS * ROW_BYTES);
-#pragma unroll 1
-        for (int c = tid; c < KEYS * (ROW_BYTES / 4); c += THREADS) {
-          const int k = kt0 + c / (ROW_BYTES / 4);
-          if (k >= inter.x && k < inter.y) continue;
-          const unsigned w = v_tile[c], f = finite_or_zero2<T>(w);
-          if (f != w) v_tile[c] = f;
+        unsigned char* v_own = stages + stage * L::stage_bytes + KEYS * ROW_BYTES + copy_dst;
+#pragma unroll 2
+        for (int i = 0; i < KEYS / KSTEP; ++i) {
+          const int k = kt0 + copy_key0 + i * KSTEP;
+          if ((k >= inter.x && k < inter.y) || k >= khi) continue;
+          uint4* w = reinterpret_cast<uint4*>(v_own + i * KSTEP * ROW_BYTES +
+                                              ((TWO_PHASES && (i & 1)) ? copy_dst_odd - copy_dst : 0u));
+          const uint4 x = *w;
+          const uint4 f = make_uint4(finite_or_zero2<T>(x.x), finite_or_zero2<T>(x.y), finite_or_zero2<T>(x.z),
+                                     finite_or_zero2<T>(x.w));
+          if (f.x != x.x || f.y != x.y || f.z != x.z || f.w != x.w) *w = f;
         }
-        __syncthreads();
       }
     }
+    __syncthreads();
     if (kt + NST - 1 < ntiles) load_tile(stage == 0 ? NST - 1 : stage - 1, slot <= 1 ? slot + NST - 1 : slot - 2);
     cp_async_commit();
     if (kt + NST < ntiles) find_rows(kt + NST, slot == 0 ? NST : slot - 1);  // read after the next barrier

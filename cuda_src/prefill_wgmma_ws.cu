@@ -23,7 +23,8 @@
 //   scheduler (warps 4-7, 64 registers): for each item, finds its sequence and the admitted key range
 //     of each of its 128 rows (thread r: row r), publishes them (WsItem for the copiers; the row data
 //     and the Q rows, cp.async into one of two Q buffers, for the consumers) as soon as the consumers
-//     give the buffer back, so the next item is ready before the current one ends.
+//     give the buffer back, so the next item is ready before the current one ends; then cleans the V
+//     tiles of the current item that hold keys some live row does not admit (clean_item).
 //   two consumers (warps 8-11 and 12-15, 192 registers): warpgroup u owns rows 64u..64u+63 of the
 //     item. Per key tile: S = Q K^T on wgmma.m64n128k16 (Q and K from shared memory), online
 //     softmax in registers, O += P V on wgmma.m64n128k16 (P from registers, V MN-major). Tile kt's
@@ -34,7 +35,8 @@
 // Full / empty mbarriers per Q buffer (the Q rows and row data for the consumers, the WsItem for the
 // copiers) and per stage (K and V apart) replace the per-tile CTA barrier. A key a row does not admit
 // never reaches its output: masked scores are selected to -inf, V rows that meet P = 0 in a tile are
-// cleaned of Inf / NaN before the product (clean_v), and rows without admitted keys write zeros.
+// cleaned of Inf / NaN before the product (by the scheduler, between v_land and v_full: clean_item), and
+// rows without admitted keys write zeros.
 // Ordering: TMA writes complete the full barriers' tx bytes (expect_tx by the issuing lane first);
 // q_full, k_full and v_full count two arrivals a thread: a thread that copied with cp.async arrives
 // once when its copies land (cp.async.mbarrier.arrive.noinc) and once itself, any other thread twice
@@ -93,7 +95,49 @@ struct WsItem {
   int from_inputs, tok_shift;  // new K/V rows read from key / value (NewKeys)
   int2 wg[WsPrefillConfig::CONSUMERS];
   int2 all;              // the intersection over every live row of the item (V rows outside it are cleaned)
+  int2 clean;            // tiles kt < clean.x and kt >= clean.y have V rows to clean (ws_clean_tiles)
+  unsigned first_tile;   // K/V tiles of the CTA's items before this one (its tile kt is in stage (first_tile + kt) % 2)
+  unsigned land_parity;  // bit s: parity of the v_land(s) phase of this item's first tile to clean in stage s
 };
+
+// The keys of the tile from kt0 whose V rows are cleaned of Inf / NaN before its P V: those some live
+// row of the item does not admit (outside `in`, the item's intersection `all`), within the unmasked keys
+// [kmin, khi), as [a, hi1) and [lo2, b); false when there are none (every other key either meets a P
+// that some admitting row computes, or was zero-filled). ws_clean_tiles gives the tiles for which it is
+// true, once per item (WsItem::clean): the copiers send exactly those to v_land, and the scheduler cleans
+// exactly those.
+CUPA_DEVICE bool ws_clean_keys(int kt0, int2 in, int kmin, int khi, int& a, int& hi1, int& lo2, int& b) {
+  constexpr int KEYS = WsPrefillConfig::KEYS;
+  if (kt0 >= in.x && kt0 + KEYS <= in.y) return false;
+  a = max(kt0, kmin);
+  b = min(kt0 + KEYS, khi);
+  const bool none = in.x >= in.y;  // (no key every live row admits)
+  hi1 = none ? b : min(b, in.x);
+  lo2 = none ? b : max(a, in.y);
+  return hi1 > a || b > lo2;
+}
+
+// The tiles of an item (origin klo, unmasked keys [kmin, khi), intersection in, ntiles tiles) for which
+// ws_clean_keys is true: kt < x or kt >= y of the result (y >= x). A tile's unmasked keys lie inside `in`
+// unless it starts below in.x with kmin < in.x, or ends above in.y with khi > in.y (in lies in [kmin, khi)
+// when not empty; when empty, every tile has keys to clean).
+CUPA_DEVICE int2 ws_clean_tiles(int klo, int kmin, int khi, int2 in, int ntiles) {
+  constexpr int KEYS = WsPrefillConfig::KEYS;
+  if (in.x >= in.y) return make_int2(ntiles, ntiles);
+  const int x = kmin < in.x ? (in.x - klo + KEYS - 1) / KEYS : 0;
+  return make_int2(x, max(x, khi > in.y ? (in.y - klo) / KEYS : ntiles));  // (y >= x)
+}
+
+// Bit s: the parity of the number of tiles to clean among the CTA's tiles [p, q) in stage s (= index % 2).
+CUPA_DEVICE unsigned ws_stage_parity(unsigned p, unsigned q) {
+  return (((q + 1) / 2 - (p + 1) / 2) & 1u) | (((q / 2 - p / 2) & 1u) << 1);
+}
+// The v_land parities after an item: those at its start, flipped by its tiles to clean.
+CUPA_DEVICE unsigned ws_land_after(const WsItem& it) {
+  const unsigned f = it.first_tile, nt = (unsigned)it.ntiles, x = min((unsigned)it.clean.x, nt);
+  const unsigned y = max((unsigned)max(it.clean.x, it.clean.y), x);
+  return it.land_parity ^ ws_stage_parity(f, f + x) ^ (y < nt ? ws_stage_parity(f + y, f + nt) : 0u);
+}
 
 // Named barriers (0 is __syncthreads): the consumers' turns, each consumer warpgroup's own, the scheduler's.
 constexpr int WS_BAR_TURN = 1, WS_BAR_WG = 3, WS_BAR_SCHEDULER = 5;
@@ -125,6 +169,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   constexpr int CPT = Cfg::COPIER_THREADS, ST = Cfg::SCHEDULER_THREADS;
   constexpr int KC = KEYS / (CPT / 32);  // keys of a tile per copier warp
   static_assert(KEYS == 128 && KC == 32 && ROWS == ST && NQ == 2, "copier lane l: key l of its warp's 32; scheduler thread i: row i");
+  static_assert(NST == 2, "ws_stage_parity: two stages");
 
   // As paged_prefill: without new-key inputs every CTA waits for the prologue here; with them CTA 0
   // does, and a copier warp before its first cache read.
@@ -144,12 +189,14 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   __shared__ WsItem sItem[NQ];
   __shared__ unsigned sMapped[NST][KEYS / 32];  // per stage: mapped-key bit mask of its K/V tile
   __shared__ __align__(16) int sRows[Cfg::COPIER_THREADS / 32][2][16];  // per copier warp: rows of its keys (this tile)
-  __shared__ __align__(8) unsigned long long sBar[4 * NQ + 4 * NST];
+  __shared__ __align__(8) unsigned long long sBar[4 * NQ + 5 * NST];
   const unsigned q_a = smem_addr(smem), stages_a = q_a + NQ * L::q_bytes;
   const unsigned bar_a = smem_addr(sBar);
   // mbarriers: q_full / q_empty / info_full / info_empty per Q buffer, k_full / v_full / k_empty / v_empty
-  // per stage. info_empty: every copier thread has read the item's WsItem, so the scheduler may rewrite it
-  // (the consumers' q_empty does not say so: they never wait for the copiers on an item without tiles).
+  // / v_land per stage. info_empty: every copier thread has read the item's WsItem, so the scheduler may
+  // rewrite it (the consumers' q_empty does not say so: they never wait for the copiers on an item without
+  // tiles). v_land: a V tile with keys to clean (ws_clean_keys) lands there instead of on v_full; the
+  // scheduler cleans it and completes v_full itself.
   auto q_full = [&](int i) { return bar_a + 8u * i; };
   auto q_empty = [&](int i) { return bar_a + 8u * (NQ + i); };
   auto info_full = [&](int i) { return bar_a + 8u * (2 * NQ + i); };  // the item's WsItem, for the copiers
@@ -158,6 +205,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   auto v_full = [&](int s) { return bar_a + 8u * (4 * NQ + NST + s); };
   auto k_empty = [&](int s) { return bar_a + 8u * (4 * NQ + 2 * NST + s); };
   auto v_empty = [&](int s) { return bar_a + 8u * (4 * NQ + 3 * NST + s); };
+  auto v_land = [&](int s) { return bar_a + 8u * (4 * NQ + 4 * NST + s); };  // V tiles to clean: landed
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   if (tid == 0) {
@@ -170,6 +218,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     for (int s = 0; s < NST; ++s) {
       mbar_init(k_full(s), 2 * CPT);
       mbar_init(v_full(s), 2 * CPT);
+      mbar_init(v_land(s), 2 * CPT);
       mbar_init(k_empty(s), CT);
       mbar_init(v_empty(s), CT);
     }
@@ -189,6 +238,46 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       const int sw = warp - CPT / 32, stid = tid - CPT;
       const long long kv_capacity = (long long)max_blocks * block_size;
       unsigned n = 0;  // items published
+      // After publishing item n + 1, the scheduler cleans item n's V tiles with keys to clean (V rows of
+      // keys some live row does not admit meet P = 0 there, and 0 times an Inf or NaN V element is NaN
+      // in O += P V): each lands on v_land; the warpgroup replaces the non-finite values of those rows by
+      // 0 in shared memory (for a row that admits the key the result is unspecified anyway), runs
+      // fence.proxy.async (its writes before wgmma's reads) and completes v_full for the consumers. The
+      // consumers cannot release such a stage before v_full, so v_land's phases stay in step; the
+      // copier fills the next items meanwhile, and publishing item n + 2 waits for the consumers to end
+      // item n in any case.
+      auto clean_item = [&](int ib) {
+        const int nt = sItem[ib].ntiles, klo = sItem[ib].klo, kmin = sItem[ib].kmin, khi = sItem[ib].khi;
+        const int2 in = sItem[ib].all, cl = sItem[ib].clean;
+        const unsigned first_tile = sItem[ib].first_tile;
+        unsigned land_parity = sItem[ib].land_parity;
+        auto clean_tile = [&](int kt) {
+          const int kt0 = klo + kt * KEYS;
+          int a, hi1, lo2, b;
+          ws_clean_keys(kt0, in, kmin, khi, a, hi1, lo2, b);  // (true here: ws_clean_tiles)
+          const int st = (int)((first_tile + kt) % NST);
+          mbar_wait(v_land(st), (land_parity >> st) & 1u);
+          land_parity ^= 1u << st;
+          const int n1 = max(0, hi1 - a), n2 = max(0, b - lo2);  // keys [a, hi1) and [lo2, b)
+          // (shared-space addresses: the loop runs in the scheduler's 64 registers)
+          const unsigned v_tile = stages_a + (unsigned)st * L::stage_bytes + L::tile_bytes;
+#pragma unroll 2
+          for (int i = stid; i < (n1 + n2) * 16; i += ST) {
+            const int r = i >> 4, c = i & 15;  // 16-byte chunk c of key row r of the two ranges
+            const int k = r < n1 ? a + r : lo2 + (r - n1);
+            const unsigned at = v_tile + (unsigned)((c >> 3) * (KEYS * 128) + (k - kt0) * 128 + (c & 7) * 16);
+            unsigned w[4];
+            lds128(at, w);
+            const unsigned f0 = finite_or_zero2<T>(w[0]), f1 = finite_or_zero2<T>(w[1]), f2 = finite_or_zero2<T>(w[2]),
+                           f3 = finite_or_zero2<T>(w[3]);
+            if (f0 != w[0] || f1 != w[1] || f2 != w[2] || f3 != w[3]) sts128(at, f0, f1, f2, f3);
+          }
+          fence_proxy_async_shared();
+          mbar_arrive2(v_full(st));
+        };
+        for (int kt = 0; kt < min(cl.x, nt); ++kt) clean_tile(kt);  // in order: the tiles below cl.x,
+        for (int kt = max(cl.x, cl.y); kt < nt; ++kt) clean_tile(kt);  // then those from cl.y on
+      };
       // Work item of round r: r * step + first, or r * step + step - 1 - first in odd rounds (a snake:
       // items come heaviest first, so plain round robin would hand CTA 0 the heaviest item of every
       // round; snaking evens the CTAs' sums).
@@ -207,12 +296,16 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
           mbar_wait(q_empty(buf), ((n >> 1) + 1) & 1);     // the consumers are done with item n - 2
           mbar_wait(info_empty(buf), ((n >> 1) + 1) & 1);  // and so are the copiers (at once, but for
         }                                                   // items without tiles)
-        if (!more) {  // no more items: tell the consumers and the copiers
+        if (!more) {  // no more items: tell the consumers and the copiers, and clean the last item
           if (stid == 0) {
             sItem[buf].ntiles = -1;
             mbar_arrive(info_full(buf));
           }
           mbar_arrive2(q_full(buf));
+          if (n > 0) {
+            bar_sync(WS_BAR_SCHEDULER, ST);  // (stid 0's writes of that WsItem, before its last arrival)
+            clean_item(buf ^ 1);
+          }
           break;
         }
 #pragma unroll
@@ -254,13 +347,21 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             item.wg[u] = make_int2(max(r0.z, r1.z), min(r0.w, r1.w));
           }
           item.all = make_int2(max(item.wg[0].x, item.wg[1].x), min(item.wg[0].y, item.wg[1].y));
+          item.clean = ws_clean_tiles(item.klo, item.kmin, item.khi, item.all, item.ntiles);
+          if (n == 0) {
+            item.first_tile = item.land_parity = 0u;
+          } else {  // (item n - 1 stays in the other buffer until item n + 1 is published)
+            const WsItem& prev = sItem[buf ^ 1];
+            item.first_tile = prev.first_tile + (unsigned)prev.ntiles;
+            item.land_parity = ws_land_after(prev);
+          }
           sItem[buf] = item;
           mbar_arrive(info_full(buf));  // the copiers may start on the item's keys
         }
         // Q rows, as they are (rows without admitted keys zero-filled); none when no key tile follows.
         if (any_keys) {
           const unsigned dq = q_a + buf * L::q_bytes;
-#pragma unroll 4
+#pragma unroll 1
           for (int c = stid; c < ROWS * (D / 8); c += ST) {
             const int r = c / (D / 8), col = (c % (D / 8)) * 8;
             const bool live = sHi[buf][r] > sLo[buf][r];
@@ -270,6 +371,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         }
         mbar_arrive_on_cp_async(q_full(buf));  // when the thread's Q rows land
         mbar_arrive(q_full(buf));  // also publishes sTok.. sHi and sItem (release)
+        if (n > 0) clean_item(buf ^ 1);  // item n - 1 (its WsItem stays until item n + 1 is published)
         ++n;
       }
     } else {
@@ -398,13 +500,16 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
               mbar_arrive(k_full(st));
             }
             if (it >= NST) mbar_wait(v_empty(st), parity);
+            // (a tile with keys to clean goes to the scheduler first)
+            const unsigned vbar = v_full(st) + ((unsigned)(kt - s.clean.x) >= (unsigned)(s.clean.y - s.clean.x)
+                                                    ? v_land(0) - v_full(0) : 0u);
             if (box > 0) {
-              if (lane == 0) load_boxes(dst + L::tile_bytes, true, v_full(st));
-              mbar_arrive2(v_full(st));
+              if (lane == 0) load_boxes(dst + L::tile_bytes, true, vbar);
+              mbar_arrive2(vbar);
             } else {
               copy_tile(dst + L::tile_bytes, source(true));
-              mbar_arrive_on_cp_async(v_full(st));
-              mbar_arrive(v_full(st));
+              mbar_arrive_on_cp_async(vbar);
+              mbar_arrive(vbar);
             }
           }
         };
@@ -478,35 +583,6 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
 #pragma unroll
       for (int w = 0; w < KEYS / 32; ++w) mw[w] = sMapped[st][w];
     };
-    // V rows of keys that some live row of the item does not admit (outside sItem.all: causal future,
-    // left of a window, another row's range) meet P = 0 there, and 0 times an Inf or NaN V element is
-    // NaN in O += P V. Before its P V of such a tile, each consumer warpgroup replaces the non-finite
-    // values of those rows in shared memory by 0 (for a row that admits the key the result is
-    // unspecified anyway). Both warpgroups clean the same rows and write the same zeros, each before
-    // its own product reads them, so the bits do not depend on timing; the fence.proxy.async that
-    // follows orders the writes before wgmma's reads, and the stage's release orders them before the
-    // copier's next writes. Masked keys (below kmin, from khi on, unmapped) were zero-filled; a tile
-    // inside the intersection costs two compares.
-    const int2 in = sItem[buf].all;  // (a register: most tiles lie inside it and return at once)
-    auto clean_v = [&](int st, int kt) {
-      const int kt0 = klo + kt * KEYS;
-      if (kt0 >= in.x && kt0 + KEYS <= in.y) return;
-      const int a = max(kt0, sItem[buf].kmin), b = min(kt0 + KEYS, sItem[buf].khi);
-      const bool none = in.x >= in.y;  // (no key every live row admits)
-      const int hi1 = none ? b : min(b, in.x), lo2 = none ? b : max(a, in.y);
-      const int n1 = max(0, hi1 - a), n2 = max(0, b - lo2);  // keys [a, hi1) and [lo2, b)
-      if (n1 + n2 == 0) return;
-      unsigned char* v_tile = smem + NQ * L::q_bytes + st * L::stage_bytes + L::tile_bytes;
-      for (int i = (tid - PT) & 127; i < (n1 + n2) * 16; i += 128) {
-        const int r = i >> 4, c = i & 15;  // 16-byte chunk c of key row r of the two ranges
-        const int k = r < n1 ? a + r : lo2 + (r - n1);
-        uint4* at = reinterpret_cast<uint4*>(v_tile + (c >> 3) * (KEYS * 128) + (k - kt0) * 128 + (c & 7) * 16);
-        const uint4 w = *at;
-        const uint4 f = make_uint4(finite_or_zero2<T>(w.x), finite_or_zero2<T>(w.y), finite_or_zero2<T>(w.z),
-                                   finite_or_zero2<T>(w.w));
-        if (f.x != w.x || f.y != w.y || f.z != w.z || f.w != w.w) *at = f;
-      }
-    };
     // S = Q K^T of tile kt (stage st): 8 k16 steps over D (the first overwrites s).
     auto issue_s = [&](int st) {
       const unsigned long long k_desc = kv_desc0 + stage_off(st);
@@ -565,7 +641,6 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         const unsigned iv = it + kt, ik = iv + 1;
         const int sv = iv % NST, sk = ik % NST;
         mbar_wait(v_full(sv), (iv / NST) & 1);
-        clean_v(sv, kt);
         mbar_wait(k_full(sk), (ik / NST) & 1);
         read_mapped(sk);
         fence_proxy_async_shared();
@@ -587,7 +662,6 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         const unsigned iv = it + ntiles - 1;
         const int sv = iv % NST;
         mbar_wait(v_full(sv), (iv / NST) & 1);
-        clean_v(sv, ntiles - 1);
         fence_proxy_async_shared();
         bar_sync(my_turn, CT);
         fence_operands();

@@ -124,6 +124,14 @@ template <int ROWS_> CUPA_DEVICE unsigned wg_off(int r, int c) {
   return (unsigned)((c >> 6) * (ROWS_ * 128) + r * 128 + ((((c >> 3) & 7) ^ (r & 7)) << 4) + (c & 7) * 2);
 }
 
+// 16 bytes of shared memory at a shared-space byte address (16-byte aligned).
+CUPA_DEVICE void lds128(unsigned addr, unsigned (&w)[4]) {
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr) : "memory");
+}
+CUPA_DEVICE void sts128(unsigned addr, unsigned w0, unsigned w1, unsigned w2, unsigned w3) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(w0), "r"(w1), "r"(w2), "r"(w3) : "memory");
+}
+
 // ---- warp specialization: mbarriers, named barriers, register reallocation ---------------------
 // mbarrier objects (8 bytes of shared memory each) at shared-space byte addresses. A phase
 // completes when `count` arrivals have been made and every cp.async tracked by
