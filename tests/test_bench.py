@@ -682,3 +682,20 @@ def test_readme_table_and_peer_list_are_generated_from_the_committed_results():
             == report.peers_faster_lines(payload))
     assert report.peers_faster(payload), "the committed run has cases where a peer is faster"
     assert all(ratio < 1 for *_, ratio in report.peers_faster(payload))
+
+
+def test_mla_waves_prints_the_plans_of_a_described_gpu(capsys):
+    """benchmarks/mla_waves.py --plans: the split plan of each MLA target for each mla_waves, without a device."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "mla_waves.py"
+    spec = importlib.util.spec_from_file_location("mla_waves", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--plans", "9.0", "--waves", "1,2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 * len(module.TARGETS)
+    # 16 row tiles of a 16384-key table: 132 // 16 = 8 splits over the capacity -> 4 over 8192 keys, 8 with two waves
+    assert "B=8 L=8192 H=128 waves=1: 4 split(s) of 2048 keys" in lines[2]
+    assert "B=8 L=8192 H=128 waves=2: 8 split(s) of 1024 keys" in lines[3]
