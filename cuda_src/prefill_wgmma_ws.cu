@@ -53,6 +53,7 @@
 #include "prefill_tiles.cuh"
 #include "wgmma.cuh"
 #include "prefill_wgmma_tile.cuh"
+#include "prefill_ws_plan.cuh"
 
 // Tile shape (mirrored in cupa/kernels/prefill_wgmma.py: WS_*).
 struct WsPrefillConfig {
@@ -99,45 +100,6 @@ struct WsItem {
   unsigned first_tile;   // K/V tiles of the CTA's items before this one (its tile kt is in stage (first_tile + kt) % 2)
   unsigned land_parity;  // bit s: parity of the v_land(s) phase of this item's first tile to clean in stage s
 };
-
-// The keys of the tile from kt0 whose V rows are cleaned of Inf / NaN before its P V: those some live
-// row of the item does not admit (outside `in`, the item's intersection `all`), within the unmasked keys
-// [kmin, khi), as [a, hi1) and [lo2, b); false when there are none (every other key either meets a P
-// that some admitting row computes, or was zero-filled). ws_clean_tiles gives the tiles for which it is
-// true, once per item (WsItem::clean): the copiers send exactly those to v_land, and the scheduler cleans
-// exactly those.
-CUPA_DEVICE bool ws_clean_keys(int kt0, int2 in, int kmin, int khi, int& a, int& hi1, int& lo2, int& b) {
-  constexpr int KEYS = WsPrefillConfig::KEYS;
-  if (kt0 >= in.x && kt0 + KEYS <= in.y) return false;
-  a = max(kt0, kmin);
-  b = min(kt0 + KEYS, khi);
-  const bool none = in.x >= in.y;  // (no key every live row admits)
-  hi1 = none ? b : min(b, in.x);
-  lo2 = none ? b : max(a, in.y);
-  return hi1 > a || b > lo2;
-}
-
-// The tiles of an item (origin klo, unmasked keys [kmin, khi), intersection in, ntiles tiles) for which
-// ws_clean_keys is true: kt < x or kt >= y of the result (y >= x). A tile's unmasked keys lie inside `in`
-// unless it starts below in.x with kmin < in.x, or ends above in.y with khi > in.y (in lies in [kmin, khi)
-// when not empty; when empty, every tile has keys to clean).
-CUPA_DEVICE int2 ws_clean_tiles(int klo, int kmin, int khi, int2 in, int ntiles) {
-  constexpr int KEYS = WsPrefillConfig::KEYS;
-  if (in.x >= in.y) return make_int2(ntiles, ntiles);
-  const int x = kmin < in.x ? (in.x - klo + KEYS - 1) / KEYS : 0;
-  return make_int2(x, max(x, khi > in.y ? (in.y - klo) / KEYS : ntiles));  // (y >= x)
-}
-
-// Bit s: the parity of the number of tiles to clean among the CTA's tiles [p, q) in stage s (= index % 2).
-CUPA_DEVICE unsigned ws_stage_parity(unsigned p, unsigned q) {
-  return (((q + 1) / 2 - (p + 1) / 2) & 1u) | (((q / 2 - p / 2) & 1u) << 1);
-}
-// The v_land parities after an item: those at its start, flipped by its tiles to clean.
-CUPA_DEVICE unsigned ws_land_after(const WsItem& it) {
-  const unsigned f = it.first_tile, nt = (unsigned)it.ntiles, x = min((unsigned)it.clean.x, nt);
-  const unsigned y = max((unsigned)max(it.clean.x, it.clean.y), x);
-  return it.land_parity ^ ws_stage_parity(f, f + x) ^ (y < nt ? ws_stage_parity(f + y, f + nt) : 0u);
-}
 
 // Named barriers (0 is __syncthreads): the consumers' turns, each consumer warpgroup's own, the scheduler's.
 constexpr int WS_BAR_TURN = 1, WS_BAR_WG = 3, WS_BAR_SCHEDULER = 5;
@@ -254,7 +216,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         auto clean_tile = [&](int kt) {
           const int kt0 = klo + kt * KEYS;
           int a, hi1, lo2, b;
-          ws_clean_keys(kt0, in, kmin, khi, a, hi1, lo2, b);  // (true here: ws_clean_tiles)
+          ws_clean_keys<KEYS>(kt0, in, kmin, khi, a, hi1, lo2, b);  // (true here: ws_clean_tiles)
           const int st = (int)((first_tile + kt) % NST);
           mbar_wait(v_land(st), (land_parity >> st) & 1u);
           land_parity ^= 1u << st;
@@ -347,13 +309,13 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             item.wg[u] = make_int2(max(r0.z, r1.z), min(r0.w, r1.w));
           }
           item.all = make_int2(max(item.wg[0].x, item.wg[1].x), min(item.wg[0].y, item.wg[1].y));
-          item.clean = ws_clean_tiles(item.klo, item.kmin, item.khi, item.all, item.ntiles);
+          item.clean = ws_clean_tiles<KEYS>(item.klo, item.kmin, item.khi, item.all, item.ntiles);
           if (n == 0) {
             item.first_tile = item.land_parity = 0u;
           } else {  // (item n - 1 stays in the other buffer until item n + 1 is published)
             const WsItem& prev = sItem[buf ^ 1];
             item.first_tile = prev.first_tile + (unsigned)prev.ntiles;
-            item.land_parity = ws_land_after(prev);
+            item.land_parity = ws_land_after(prev.first_tile, prev.ntiles, prev.clean, prev.land_parity);
           }
           sItem[buf] = item;
           mbar_arrive(info_full(buf));  // the copiers may start on the item's keys

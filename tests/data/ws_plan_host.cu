@@ -1,0 +1,53 @@
+// Host driver of cuda_src/prefill_ws_plan.cuh (tests/test_prefill_ws_plan.py). Little-endian int32 on
+// stdin and stdout:
+//   tiles: records (klo, kmin, khi, in.x, in.y, ntiles) -> per record clean.x, clean.y, then per tile
+//          ws_clean_keys' result (0 / 1) and its key count (hi1 - a) + (b - lo2) (0 when false)
+//   land:  records (ntiles, clean.x, clean.y) of one CTA's items in order -> per item first_tile and
+//          land_parity at its start, chained as the scheduler chains them
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#include "prefill_ws_plan.cuh"
+
+constexpr int KEYS = 128;
+
+static std::vector<int> read_all() {
+  std::vector<int> v;
+  int x;
+  while (fread(&x, 4, 1, stdin) == 1) v.push_back(x);
+  return v;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 2) return 2;
+  const std::vector<int> in = read_all();
+  std::vector<int> out;
+  if (!strcmp(argv[1], "tiles")) {
+    for (size_t i = 0; i + 6 <= in.size(); i += 6) {
+      const int klo = in[i], kmin = in[i + 1], khi = in[i + 2], nt = in[i + 5];
+      const int2 range = make_int2(in[i + 3], in[i + 4]);
+      const int2 c = ws_clean_tiles<KEYS>(klo, kmin, khi, range, nt);
+      out.push_back(c.x);
+      out.push_back(c.y);
+      for (int kt = 0; kt < nt; ++kt) {
+        int a = 0, hi1 = 0, lo2 = 0, b = 0;
+        const bool t = ws_clean_keys<KEYS>(klo + kt * KEYS, range, kmin, khi, a, hi1, lo2, b);
+        out.push_back(t ? 1 : 0);
+        out.push_back(t ? ws_max(0, hi1 - a) + ws_max(0, b - lo2) : 0);
+      }
+    }
+  } else if (!strcmp(argv[1], "land")) {
+    unsigned first = 0, parity = 0;
+    for (size_t i = 0; i + 3 <= in.size(); i += 3) {
+      out.push_back((int)first);
+      out.push_back((int)parity);
+      const int2 c = make_int2(in[i + 1], in[i + 2]);
+      parity = ws_land_after(first, in[i], c, parity);
+      first += (unsigned)in[i];
+    }
+  } else {
+    return 2;
+  }
+  fwrite(out.data(), 4, out.size(), stdout);
+  return 0;
+}

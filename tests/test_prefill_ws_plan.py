@@ -1,0 +1,107 @@
+"""The wgmma prefill's cleaning plan (cuda_src/prefill_ws_plan.cuh), compiled for the host by nvcc.
+
+In paged_prefill_wgmma_ws the copiers send a V tile to the v_land mbarrier exactly when the item's
+``ws_clean_tiles`` range says so, and the scheduler waits there for exactly the tiles whose keys
+``ws_clean_keys`` finds, with parities chained by ``ws_land_after``: a disagreement would hang the
+kernel or let it read a tile before it lands. These checks hold the three functions to a brute-force
+model: the keys to clean of a tile are its unmasked keys ([kmin, khi)) that lie outside the item's
+intersection of admitted ranges (all of them when that is empty); the v_land phases of a stage count
+the tiles to clean that went through it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = 128
+
+
+@pytest.fixture(scope="module")
+def host_plan(tmp_path_factory):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH: the host build of cuda_src/prefill_ws_plan.cuh needs the CUDA toolkit")
+    exe = tmp_path_factory.mktemp("ws_plan") / "ws_plan_host"
+    proc = subprocess.run([nvcc, "-std=c++17", "-O1", "-I", str(REPO / "cuda_src"), "-o", str(exe),
+                           str(REPO / "tests" / "data" / "ws_plan_host.cu")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def run(mode: str, records: np.ndarray) -> np.ndarray:
+        out = subprocess.run([str(exe), mode], input=records.astype("<i4").tobytes(), capture_output=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return np.frombuffer(out.stdout, "<i4")
+
+    return run
+
+
+def _items(rng, n):
+    """Random items as the scheduler builds them: a box-aligned origin below kmin, tiles up to khi, and an
+    intersection inside [kmin, khi), empty, or (rarely) anywhere."""
+    out = []
+    for _ in range(n):
+        kmin = int(rng.integers(0, 5000))
+        khi = kmin + int(rng.integers(1, 1500))
+        box = int(rng.choice([1, 8, 16, 32]))
+        klo = kmin - kmin % box
+        ntiles = -(-(khi - klo) // KEYS)
+        kind = rng.random()
+        if kind < 0.7:
+            x = int(rng.integers(kmin, khi + 1))
+            y = int(rng.integers(x, khi + 1))
+        elif kind < 0.85:  # empty: no key every live row admits
+            x = int(rng.integers(kmin, khi + 1))
+            y = x - int(rng.integers(0, 3))
+        else:
+            x, y = sorted(int(v) for v in rng.integers(0, 7000, 2))
+        out.append((klo, kmin, khi, x, y, ntiles))
+    return out
+
+
+def test_clean_tiles_and_keys_match_the_model(host_plan):
+    rng = np.random.default_rng(7)
+    items = _items(rng, 3000)
+    # the causal diagonal of the benchmark's prefill and chunked items (32 tokens of 4 heads), exactly
+    for past, t0 in ((0, 0), (0, 96), (0, 2016), (8192, 0), (8192, 480)):
+        khi = past + t0 + 32
+        items.append((0, 0, khi, 0, past + t0 + 1, -(-khi // KEYS)))
+    got = host_plan("tiles", np.array(items, np.int64).reshape(-1))
+    pos = 0
+    for klo, kmin, khi, x, y, nt in items:
+        cx, cy = got[pos], got[pos + 1]
+        pos += 2
+        assert cy >= cx
+        for kt in range(nt):
+            flag, count = got[pos], got[pos + 1]
+            pos += 2
+            k0 = klo + kt * KEYS
+            keys = range(max(k0, kmin), min(k0 + KEYS, khi))
+            want = sum(1 for k in keys if not x <= k < y) if x < y else len(keys)
+            assert count == want, (klo, kmin, khi, x, y, kt)
+            assert flag == (want > 0) == (kt < cx or kt >= cy), (klo, kmin, khi, x, y, kt)
+    assert pos == got.size
+
+
+def test_land_parities_count_the_tiles_to_clean_of_each_stage(host_plan):
+    rng = np.random.default_rng(8)
+    for trial in range(20):
+        records = []
+        for _ in range(int(rng.integers(1, 60))):
+            nt = int(rng.integers(0, 40))
+            cx = int(rng.integers(0, nt + 2))
+            cy = max(cx, int(rng.integers(0, nt + 3)))
+            records.append((nt, cx, cy))
+        got = host_plan("land", np.array(records, np.int64).reshape(-1)).reshape(-1, 2)
+        first, counts = 0, [0, 0]
+        for (nt, cx, cy), (g_first, g_parity) in zip(records, got):
+            assert g_first == first
+            assert g_parity == (counts[0] & 1) | ((counts[1] & 1) << 1), (trial, records)
+            for kt in range(nt):
+                if kt < cx or kt >= cy:
+                    counts[(first + kt) % 2] += 1
+            first += nt
