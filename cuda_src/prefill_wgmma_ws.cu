@@ -362,9 +362,8 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       // row 128 + ((c % 8) ^ (row % 8)) 16 (wg_off), whose swizzle term repeats every 4 rounds.
       const int h = lane >> 4, c = lane & 15;
       const unsigned copy_base = (unsigned)((c >> 3) * (KEYS * 128) + (cw * KC + h) * 128);
-      unsigned swz[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) swz[i] = (unsigned)(((c & 7) ^ ((2 * i + h) & 7)) << 4);
+      // ((c % 8) ^ ((2i + h) % 8)) 16 for i % 4 = j is swz0 ^ 32 j (2j + h < 8, h one bit): one register.
+      const unsigned swz0 = (unsigned)(((c & 7) ^ h) << 4);
       unsigned it = 0;  // K/V tiles issued, over all items
       for (unsigned n = 0;; ++n) {
         const int buf = n & 1;
@@ -414,7 +413,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             for (int i = 0; i < KC / 8; ++i) *reinterpret_cast<int4*>(&r[4 * i]) = reinterpret_cast<const int4*>(rows[h])[i];
 #pragma unroll
             for (int i = 0; i < KC / 2; ++i)
-              cp_async_16_or_zero(dst + i * 256 + swz[i & 3], src + (long long)max(r[i], 0) * row_stride_bytes, r[i] >= 0);
+              cp_async_16_or_zero(dst + i * 256 + (swz0 ^ (unsigned)((i & 3) << 5)), src + (long long)max(r[i], 0) * row_stride_bytes, r[i] >= 0);
           };
           int next = row_of(0);
           for (int kt = 0; kt < ntiles; ++kt, ++it) {

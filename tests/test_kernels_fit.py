@@ -46,10 +46,6 @@ KNOWN_SPILLS.update({str(registry.prologue_spec(dt, k, v_cache_kind=v)): None fo
 #: The mma.sync prefill of 16-bit caches at D=128, tile 128 x 64 (255 registers): one 4-byte spill pair in the
 #: key loop (a reload and a store a tile).
 KNOWN_SPILLS.update({str(registry.prefill_spec(dt, "T", 128, (128, 64))): None for dt in ("float16", "bfloat16")})
-#: The warp-specialized wgmma prefill: its copier warpgroup (64 registers after setmaxnreg), which sends each V
-#: tile with keys to clean to the scheduler's v_land barrier (contract §4.4), keeps its item count in local
-#: memory: a 4-byte reload and store per work item, outside the tile loop.
-KNOWN_SPILLS.update({str(registry.prefill_wgmma_ws_spec(dt)): None for dt in ("float16", "bfloat16")})
 
 
 def nvrtc_or_skip():
