@@ -11,33 +11,19 @@ the tiles to clean that went through it.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import util
+
 KEYS = 128
 
 
 @pytest.fixture(scope="module")
 def host_plan(tmp_path_factory):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH: the host build of cuda_src/prefill_ws_plan.cuh needs the CUDA toolkit")
-    exe = tmp_path_factory.mktemp("ws_plan") / "ws_plan_host"
-    proc = subprocess.run([nvcc, "-std=c++17", "-O1", "-I", str(REPO / "cuda_src"), "-o", str(exe),
-                           str(REPO / "tests" / "data" / "ws_plan_host.cu")], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-    def run(mode: str, records: np.ndarray) -> np.ndarray:
-        out = subprocess.run([str(exe), mode], input=records.astype("<i4").tobytes(), capture_output=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        return np.frombuffer(out.stdout, "<i4")
-
-    return run
+    """tests/data/ws_plan_host.cu compiled for the host: ``run(mode, int32 records) -> int32 array``."""
+    run = util.host_program(tmp_path_factory.mktemp("ws_plan"), "ws_plan_host.cu")
+    return lambda mode, records: np.frombuffer(run(mode, records.astype("<i4").tobytes()), "<i4")
 
 
 def _items(rng, n):

@@ -9,17 +9,13 @@ values runs in tests/test_reference_dense.py (its int4 / fp4 rows).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import ml_dtypes
 import numpy as np
 import pytest
 
 import cupa
+from tests import util
 
-REPO = Path(__file__).resolve().parents[1]
 I4 = np.dtype(ml_dtypes.int4)
 F4 = np.dtype(ml_dtypes.float4_e2m1fn)
 ONE = np.array([1.0], dtype=np.float32)
@@ -162,21 +158,8 @@ def test_quantize_on_the_device_layout_is_packed_bytes(rng):
 @pytest.fixture(scope="module")
 def host_quant(tmp_path_factory):
     """tests/data/subbyte_host.cu (cuda_src/quant.cuh's 4-bit paths) compiled for the host by nvcc."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH: the host build of cuda_src/quant.cuh needs the CUDA toolkit")
-    exe = tmp_path_factory.mktemp("subbyte_host") / "subbyte_host"
-    proc = subprocess.run([nvcc, "-std=c++17", "-O1", "-Xcompiler", "-fno-strict-aliasing", "-I", str(REPO / "cuda_src"),
-                           "-o", str(exe), str(REPO / "tests" / "data" / "subbyte_host.cu")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-    def run(mode: str, data: bytes) -> bytes:
-        out = subprocess.run([str(exe), mode], input=data, capture_output=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        return out.stdout
-
-    return run
+    return util.host_program(tmp_path_factory.mktemp("subbyte_host"), "subbyte_host.cu",
+                             ("-Xcompiler", "-fno-strict-aliasing"))
 
 
 def test_kernel_encoders_match_the_write_rule(host_quant, rng):
@@ -318,8 +301,6 @@ def test_auto_chooses_decode_and_prefill(rng):
 def test_a_4bit_cache_beside_an_8bit_one_is_declined_with_its_reason(rng):
     """K int4 with V e4m3 bytes (one uint8 element type, rows of D/2 and D bytes): a valid call that the
     reference serves and the kernels decline (packed_cache_reasons)."""
-    from tests import util
-
     case = util.make_case(rng, cache="int4", v_cache="fp8_bytes", head_size=128, num_heads=8)
     op = cupa.PagedAttention(**case.attrs)
     p = op._problem(op._bind((), {k: v for k, v in case.inputs.items() if v is not None}))

@@ -1098,3 +1098,29 @@ def shard_block_tables(rng, block_table, num_shards, how="ranges"):
         for s in range(num_shards):
             tables[s][b, owner == s] = bt[b, owner == s]
     return tables
+
+
+def host_program(tmp_dir, source: str, extra_flags=()):
+    """``run(mode, data: bytes) -> bytes``: tests/data/``source`` (a host driver of cuda_src headers) compiled
+    for the host by nvcc into ``tmp_dir``; the test skips when nvcc is not on PATH."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    repo = Path(__file__).resolve().parents[1]
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip(f"nvcc is not on PATH: the host build of tests/data/{source} needs the CUDA toolkit")
+    exe = Path(tmp_dir) / Path(source).stem
+    proc = subprocess.run([nvcc, "-std=c++17", "-O1", *extra_flags, "-I", str(repo / "cuda_src"), "-o", str(exe),
+                           str(repo / "tests" / "data" / source)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def run(mode: str, data: bytes) -> bytes:
+        out = subprocess.run([str(exe), mode], input=data, capture_output=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    return run
