@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
           const int k = kt0 + copy_key0 + i * KSTEP;
           if ((k >= inter.x && k < inter.y) || k >= khi) continue;
           uint4* w = reinterpret_cast<uint4*>(v_own + i * KSTEP * ROW_BYTES +
-                                              ((TWO_PHASES && (i & 1)) ? copy_dst_odd - copy_dst : 0u));
+                                              ((TWO_PHASES && (i & 1)) ? (int)copy_dst_odd - (int)copy_dst : 0));
           const uint4 x = *w;
           const uint4 f = make_uint4(finite_or_zero2<T>(x.x), finite_or_zero2<T>(x.y), finite_or_zero2<T>(x.z),
                                      finite_or_zero2<T>(x.w));
