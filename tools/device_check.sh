@@ -4,7 +4,8 @@
 # machine's python3 and put it on PYTHONPATH: FlashInfer, ONNX Runtime, transformers...), warm (compile
 # every specialization into the kernel caches, 16 processes), suite (every GPU test), quick (GPU tests
 # not marked slow), fuzz (the 2000-configuration differential fuzz), sanitize (compute-sanitizer
-# memcheck on every malformed-input class, racecheck and synccheck on the warp-specialized prefill, and
+# memcheck on every malformed-input class, racecheck and synccheck on the warp-specialized prefill (malformed
+# fuzz draws and its isolation cases), and
 # synccheck on tools/synccheck_probe.py's three arrival forms), ab (benchmarks/ab_trees.py on the tree
 # $BEFORE_TREE, a directory with its cupa/ and cuda_src/, and on this one, two rounds), profile (ncu
 # of one decode call of $PROFILE_CACHE, default int4, B=64 L=4096), bench (the benchmark command, quick).
@@ -45,11 +46,14 @@ for step in "$@"; do
       for tool in racecheck synccheck; do
         compute-sanitizer --tool $tool --error-exitcode 99 python3 -m tests.fuzz --malformed --backend prefill_wgmma \
           --n "${RACE_N:-120}" > "$out/${tool}_wgmma.log" 2>&1 || rc=$?
+        # the V tiles the scheduler cleans (v_land): the isolation cases on the wgmma prefill
+        compute-sanitizer --tool $tool --error-exitcode 99 python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/gpu/test_isolation.py -k prefill_wgmma > "$out/${tool}_wgmma_isolation.log" 2>&1 || rc=$?
       done
       for mode in track wait noinc; do
         compute-sanitizer --tool synccheck python3 tools/synccheck_probe.py --mode $mode > "$out/synccheck_probe_$mode.log" 2>&1
       done
-      line=$(grep -h "ERROR SUMMARY" "$out"/memcheck_*.log "$out"/*check_wgmma.log "$out"/synccheck_probe_*.log | tr '\n' ' ') ;;
+      line=$(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$out"/memcheck_*.log "$out"/*check_wgmma*.log "$out"/synccheck_probe_*.log | tr '\n' ' ') ;;
     ab) rc=0
         for round in 1 2; do
           CUPA_CACHE_DIR=/tmp/cache-before PYTHONPATH="$BEFORE_TREE:$PYTHONPATH" python3 benchmarks/ab_trees.py \
