@@ -24,7 +24,10 @@
 // negative, and negative -- an invalid sequence or token of the suffix call -- where it was below the
 // prefix length), its block table (the columns after the prefix blocks) and the prefix
 // call's block table: row 0's prefix blocks repeated in every row (the tokens form), or split into
-// consecutive runs of prefix_cols blocks, one a row, -1 past the last (the heads form's key splits).
+// consecutive runs of prefix_cols blocks, one a row, -1 past the last (the heads form's key splits);
+// and, for the heads form, its stacked queries: query rows (N, Hk, G, D) of a row stride of q_row
+// 16-byte units copied KV-head major, (S, Hk, N, G, D), one 16-byte unit per element (stack_units: the
+// units of one copy, S copies; 0 where the host stacks them).
 // Host values that size the launch: the element counts.
 #include "common.cuh"
 #include "paged.cuh"
@@ -117,14 +120,28 @@ __global__ void cascade_inputs(const int* __restrict__ cum, const int* __restric
                                int prefix_cols, int prefix_split, int* __restrict__ prefix_positions,
                                int* __restrict__ suffix_past,
                                int* __restrict__ suffix_positions, int* __restrict__ suffix_table,
-                               int* __restrict__ prefix_table) {
+                               int* __restrict__ prefix_table, const uint4* __restrict__ query,
+                               long long q_row, int group, int head_units, long long stack_units,
+                               uint4* __restrict__ stacked) {
   const int suffix_cols = max_blocks - prefix_blocks;
   const long long n_tokens = token_count, n_seqs = batch_size;
   const long long n_suffix = n_seqs * suffix_cols, n_prefix = (long long)prefix_rows * prefix_cols;
-  const long long total = n_tokens + n_seqs + n_suffix + n_prefix;
+  const long long n_stack = stack_units * prefix_rows;
+  const long long total = n_stack + n_tokens + n_seqs + n_suffix + n_prefix;
   for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
        e += (long long)gridDim.x * blockDim.x) {
     long long i = e;
+    if (i < n_stack) {  // unit c of head g of KV head kv of token t, in copy i / stack_units
+      long long r = i % stack_units;
+      const long long c = r % head_units;
+      r /= head_units;
+      const long long g = r % group;
+      r /= group;
+      const long long t = r % n_tokens, kv = r / n_tokens;
+      stacked[i] = __ldg(query + t * q_row + (kv * group + g) * head_units + c);
+      continue;
+    }
+    i -= n_stack;
     if (i < n_tokens) {
       const int t = (int)i;
       const TokenInfo info = locate_token(t, cum, past, batch_size, query_positions, kv_capacity, rotary_max_pos);

@@ -347,8 +347,10 @@ class CascadeAttention:
             return step.prefix_op(x["query"], x["key"], x["value"], cos_cache=x["cos_cache"],
                                   sin_cache=x["sin_cache"], query_positions=d["prefix_positions"], **common)
         S = step.prefix_rows
-        q = x["query"][:, :H * D].reshape(N, Hk, G, D).transpose(1, 0, 2, 3)
-        stacked = xp.ascontiguousarray(xp.broadcast_to(q[None], (S, Hk, N, G, D))).reshape(S, N * H * D)
+        stacked = d.get("stacked")   # (copied by cascade_inputs on the device where the rows allow)
+        if stacked is None:
+            q = x["query"][:, :H * D].reshape(N, Hk, G, D).transpose(1, 0, 2, 3)
+            stacked = xp.ascontiguousarray(xp.broadcast_to(q[None], (S, Hk, N, G, D))).reshape(S, N * H * D)
         o_stacked, lse_stacked = step.prefix_op(stacked, c["key"], c["value"], **common)
         _capture.keep_alive(stacked, o_stacked, lse_stacked)   # a captured graph writes them at every replay
         return o_stacked, lse_stacked
@@ -469,11 +471,18 @@ def _derive_device(step: _Step, x: dict, P: int, stream, kernels) -> dict:
         n = int(np.prod(shape))
         d[name] = buffer[at:at + n].reshape(shape)
         at += n
+    # the heads form's stacked queries, copied by the same launch where the query rows allow it
+    stacked = None
+    if step.mode == "heads" and kernels.stack_units(x["query"], p.head_size) is not None:
+        stacked = cupy.empty((step.prefix_rows, N * p.num_heads * p.head_size), dtype=x["query"].dtype)
+        _capture.keep_alive(stacked)
     kernels.cascade_inputs(x["cumulative_sequence_length"], x["past_seqlens"], x["block_table"], qp,
                            kv_capacity=p.static_kv_capacity, rotary_max_pos=p.rotary_max_pos, prefix_len=P,
                            prefix_blocks=Pb, prefix_rows=step.prefix_rows, prefix_cols=step.prefix_cols,
-                           prefix_split=step.mode == "heads", stream=stream, **d)
-    d["constants"] = constants
+                           prefix_split=step.mode == "heads", stream=stream, query=x["query"],
+                           kv_num_heads=p.kv_num_heads, group=p.group_size, head_size=p.head_size, stacked=stacked,
+                           **d)
+    d["constants"], d["stacked"] = constants, stacked
     return d
 
 

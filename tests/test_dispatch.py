@@ -150,6 +150,19 @@ def test_wgmma_launch_plan_and_shared_memory(rng):
     assert prefill_wgmma.persistent_ctas(H200, DEFAULT) == 132
 
 
+def test_wgmma_row_tiles_under_a_query_bound(rng):
+    """max_query_len_bound drops the trailing row tiles that would be empty (contract §4.5): one token of
+    a 256-head group per sequence is 2 tiles a sequence, not the 12 the token count alone allows."""
+    kw = dict(q_lens=[1] * 4, past=[300] * 4, H=512, Hk=2, D=128)
+    loose, tight = problem_of(rng, **kw), problem_of(rng, metadata=[1, 512], **kw)
+    assert prefill_wgmma.launch_plan(loose, 132)["num_tiles"] == 4 * 256 // 128 + 4
+    plan = prefill_wgmma.launch_plan(tight, 132)
+    assert plan["num_tiles"] == 4 * 2 and plan["items"] == 8 * 2 and plan["persistent"] == 16
+    # a bound above the longest sequence leaves the token-count bound where it is smaller
+    p = problem_of(rng, metadata=[40, 0])
+    assert prefill_wgmma.launch_plan(p, 132)["num_tiles"] == min((70 * 4) // 128 + 2, 2 * -(-(40 * 4) // 128))
+
+
 def test_pinned_specializations_and_compile_tasks():
     pinned = [s for s in registry.all_specializations() if s.arch]
     assert len(pinned) == 4 and all(s.arch == "sm_90a" for s in pinned)

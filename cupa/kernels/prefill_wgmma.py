@@ -66,9 +66,16 @@ def persistent_ctas(device: DeviceInfo, options: Options) -> int:
 
 def launch_plan(problem: Problem, sms: Optional[int] = None) -> dict:
     """Grid of the persistent kernel: the zero-pass CTAs, then ``sms`` CTAs (None: as many as work items,
-    the bound used before a device is known) looping over the work items (row tile, KV head)."""
+    the bound used before a device is known) looping over the work items (row tile, KV head).
+
+    A row tile holds up to ROWS (token, group head) rows of one sequence, so a call has at most
+    token_count * group_size // ROWS + batch_size of them, and at most batch_size * ceil(max_query_len_bound
+    * group_size / ROWS) under attention_metadata: the bound drops trailing items that would be empty
+    (contract §4.5), which matters for many short sequences of many heads (the cascade's heads-form prefix:
+    one token of 2048 heads per key split)."""
     p = problem
-    num_tiles = (p.token_count * p.group_size) // ROWS + p.batch_size
+    num_tiles = min((p.token_count * p.group_size) // ROWS + p.batch_size,
+                    p.batch_size * -(-(p.max_query_len_bound * p.group_size) // ROWS))
     items = num_tiles * p.kv_num_heads
     zero_ctas = math.ceil(p.token_count / THREADS)
     persistent = items if sms is None else max(1, min(items, sms))

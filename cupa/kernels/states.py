@@ -97,17 +97,39 @@ def merge(outputs, lses, head_sink, out, out_lse, num_heads: int, stream, heads_
                 types.ptr(head_sink), out, types.ptr(out_lse)))
 
 
+def stack_units(query, head_size: int):
+    """16-byte units of one ``query`` head row when ``cascade_inputs`` can copy the heads form's stacked
+    queries from it (16-byte aligned rows and row stride, contiguous heads), else None."""
+    row = head_size * query.dtype.itemsize
+    if (query.ndim != 2 or row % 16 or query.data.ptr % 16 or query.strides[1] != query.dtype.itemsize
+            or query.strides[0] % 16):
+        return None
+    return row // 16
+
+
 def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int, rotary_max_pos: int,
                    prefix_len: int, prefix_blocks: int, prefix_rows: int, prefix_cols: int, prefix_split: bool,
-                   prefix_positions, suffix_past, suffix_positions, suffix_table, prefix_table, stream) -> None:
+                   prefix_positions, suffix_past, suffix_positions, suffix_table, prefix_table, stream,
+                   query=None, kv_num_heads: int = 0, group: int = 0, head_size: int = 0, stacked=None) -> None:
     """Launch ``cascade_inputs`` on ``stream``: fills ``prefix_positions`` (N,), ``suffix_past`` (B,),
     ``suffix_positions`` (N,; only with ``query_positions``), ``suffix_table`` (B, max_blocks -
     prefix_blocks) and ``prefix_table`` (prefix_rows, prefix_cols), all int32 CuPy arrays. The prefix
     table repeats row 0's prefix blocks in every row, or with ``prefix_split`` holds them in
-    consecutive runs of prefix_cols, one a row (-1 past the last)."""
+    consecutive runs of prefix_cols, one a row (-1 past the last).
+
+    With ``stacked`` (a C-contiguous array of prefix_rows * N * kv_num_heads * group * head_size
+    elements of ``query``'s dtype) it also writes the heads form's queries there: prefix_rows copies of
+    ``query``'s first kv_num_heads * group heads, KV-head major (KV head, token, group head); ``query``
+    must pass :func:`stack_units`."""
     cupy = _cupy()
     N, B, max_blocks = prefix_positions.shape[0], past.shape[0], block_table.shape[1]
-    total = N + B + B * (max_blocks - prefix_blocks) + prefix_rows * prefix_cols
+    units, q_row, copy = 0, 0, 0
+    if stacked is not None:
+        units = stack_units(query, head_size)
+        assert units is not None and stacked.flags.c_contiguous and stacked.data.ptr % 16 == 0
+        q_row, copy = query.strides[0] // 16, kv_num_heads * N * group * units
+        assert stacked.nbytes == copy * prefix_rows * 16
+    total = copy * prefix_rows + N + B + B * (max_blocks - prefix_blocks) + prefix_rows * prefix_cols
     if total == 0:
         return
     blocks = min(-(-total // CASCADE_THREADS), 1024)
@@ -116,5 +138,6 @@ def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int,
         kernel((blocks,), (CASCADE_THREADS,),
                (cum, past, block_table, types.ptr(query_positions), np.int32(N), np.int32(B), np.int32(max_blocks),
                 np.int64(kv_capacity), np.int32(rotary_max_pos), np.int32(prefix_len), np.int32(prefix_blocks),
-                np.int32(prefix_rows), np.int32(prefix_cols), np.int32(int(prefix_split)), prefix_positions, suffix_past, types.ptr(suffix_positions), suffix_table,
-                prefix_table))
+                np.int32(prefix_rows), np.int32(prefix_cols), np.int32(int(prefix_split)), prefix_positions,
+                suffix_past, types.ptr(suffix_positions), suffix_table, prefix_table, types.ptr(query),
+                np.int64(q_row), np.int32(group), np.int32(units), np.int64(copy), types.ptr(stacked)))

@@ -238,6 +238,54 @@ def test_cascade_heads_prefix_split_by_keys_on_the_device(cp, rng, splits, prefi
     _check_cascade(cp, inputs, attrs, prefix, prefix_mode="heads", prefix_splits=splits)
 
 
+@pytest.mark.parametrize("dtype, D, width_extra, offset", [("float16", 128, 0, 0), ("bfloat16", 64, 16 * 64, 0),
+                                                          ("float32", 20, 4, 0), ("float16", 128, 0, 3)])
+def test_cascade_inputs_stacks_the_heads_form_queries(cp, rng, dtype, D, width_extra, offset):
+    """cascade_inputs' copy of the heads form's queries: S copies, KV-head major, from rows of any 16-byte
+    stride (packed QKV rows are wider than the query heads); rows it cannot copy (stack_units None: a
+    start or head row off 16 bytes) are left to the host's broadcast copy, which the step takes then."""
+    from cupa.kernels import states as kernels
+
+    N, Hk, G, S = 9, 2, 4, 3
+    width = Hk * G * D + width_extra
+    base = cp.asarray(rng.standard_normal((N * width + offset,)).astype(T_DTYPES[dtype]))
+    query = base[offset:].reshape(N, width)
+    units = kernels.stack_units(query, D)
+    if offset or (D * query.dtype.itemsize) % 16:
+        assert units is None
+        return
+    want = cp.ascontiguousarray(cp.broadcast_to(
+        query[:, :Hk * G * D].reshape(N, Hk, G, D).transpose(1, 0, 2, 3)[None], (S, Hk, N, G, D))).reshape(S, -1)
+    stacked = cp.full(want.shape, np.nan, want.dtype)
+    idx = lambda *shape: cp.zeros(shape, np.int32)   # noqa: E731
+    kernels.cascade_inputs(cp.arange(N + 1, dtype=np.int32), cp.full(N, 40, np.int32), idx(N, 8), None,
+                           kv_capacity=128, rotary_max_pos=0, prefix_len=32, prefix_blocks=2, prefix_rows=S,
+                           prefix_cols=1, prefix_split=True, prefix_positions=idx(N), suffix_past=idx(N),
+                           suffix_positions=None, suffix_table=idx(N, 6), prefix_table=idx(S, 1),
+                           stream=cp.cuda.get_current_stream(), query=query, kv_num_heads=Hk, group=G, head_size=D,
+                           stacked=stacked)
+    assert np.array_equal(cp.asnumpy(stacked).view(np.uint8), cp.asnumpy(want).view(np.uint8))
+
+
+def test_cascade_heads_form_with_packed_and_unaligned_queries(cp, rng):
+    """The heads form from packed QKV rows (copied by cascade_inputs) and from a query view off 16 bytes
+    (the host's broadcast copy): both equal the reference and the plain call."""
+    inputs, attrs = _shared_prefix(rng, B=8, packed=True)
+    _check_cascade(cp, inputs, attrs, 512, prefix_mode="heads", prefix_splits=3)
+    inputs, attrs = _shared_prefix(rng, B=8)
+    q = inputs["query"]
+    dev = util.to_device(cp, inputs)
+    flat = cp.empty(q.size + 1, q.dtype)
+    dev["query"] = flat[1:].reshape(q.shape)
+    dev["query"][...] = cp.asarray(q)
+    from cupa.kernels import states as kernels
+
+    assert kernels.stack_units(dev["query"], 128) is None
+    want = cupa.paged_attention(**util.to_device(cp, inputs), **attrs)
+    out = cupa.CascadeAttention(prefix_len=512, prefix_mode="heads", prefix_splits=2, **attrs)(**dev)
+    assert util.rel_err(cp.asnumpy(out), cp.asnumpy(want)) < util.TOLERANCE["float16"]
+
+
 def test_cascade_auto_splits_on_the_benchmark_shape(cp, rng):
     """64 decode tokens (GQA 32/8, D=128) over an 8192-key shared prefix: "auto" takes 4 runs of 2048 keys
     on an H200, the prefix call goes to a tensor-core prefill kernel, and the step equals the plain call."""
