@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--ncu", action="store_true", help="only a few eager steps (for a profiler)")
     ap.add_argument("--splits", default="auto,1,2,4,6,8,12,15")
+    ap.add_argument("--decode-ctas", default="", help="also time the step under these "
+                    "Options._tuning.decode_ctas_per_sm values (comma-separated; splits 'auto')")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -82,9 +84,15 @@ def main(argv=None) -> int:
     with stream:
         ref = plain(**x)
     result["rows"]["plain paged"] = graph_us(lambda: plain(**x))
-    for s in args.splits.split(","):
+    from cupa.options import _Tuning
+
+    runs = [(s, None) for s in args.splits.split(",")]
+    runs += [("auto", int(c)) for c in args.decode_ctas.split(",") if c]
+    for s, ctas in runs:
         splits = s if s == "auto" else int(s)
-        op = cupa.CascadeAttention(prefix_len=P, num_heads=H, kv_num_heads=Hk, prefix_splits=splits)
+        options = None if ctas is None else cupa.Options(_tuning=_Tuning(decode_ctas_per_sm=ctas))
+        op = cupa.CascadeAttention(prefix_len=P, num_heads=H, kv_num_heads=Hk, prefix_splits=splits,
+                                   options=options)
         with stream:
             got = op(**x)
             err = float(cp.abs(got.astype(cp.float32) - ref.astype(cp.float32)).max())
@@ -103,8 +111,9 @@ def main(argv=None) -> int:
         row["prefix_us"] = graph_us(lambda op=op, step=step, d=d: op._prefix(step, full, d, cp, stream))
         row["suffix_us"] = graph_us(lambda op=op, step=step, d=d: op._suffix_call(step, full, d, stream))
         row["splits"] = step.prefix_rows
-        result["rows"][f"cascade prefix_splits={s}"] = row
-        print(f"splits={s} ({step.prefix_rows}): step {row['step_us']:.1f} us, prefix {row['prefix_us']:.1f}, "
+        label = f"cascade prefix_splits={s}" + ("" if ctas is None else f" decode_ctas_per_sm={ctas}")
+        result["rows"][label] = row
+        print(f"{label} ({step.prefix_rows}): step {row['step_us']:.1f} us, prefix {row['prefix_us']:.1f}, "
               f"suffix {row['suffix_us']:.1f}, err {err:.2e}", flush=True)
     print(f"plain paged: {result['rows']['plain paged']:.1f} us")
     if args.out:

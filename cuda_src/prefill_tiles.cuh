@@ -114,6 +114,22 @@ CUPA_DEVICE bool locate_row_tile(const int* cum, int batch_size, int token_count
   return true;
 }
 
+// Tile x of the bounded numbering (tiles_per_seq T > 0, from attention_metadata's max_query_len_bound:
+// at most T tiles a sequence): tile x % T of sequence x / T, no search. Under an undersized bound a
+// sequence's tiles past T are dropped (contract §4.5); every row stays inside its sequence.
+template <int ROWS>
+CUPA_DEVICE bool locate_bounded_tile(const int* cum, int batch_size, int token_count, long long x, int tiles_per_seq,
+                                     int group, RowTile& rt) {
+  rt.b = (int)(x / tiles_per_seq);
+  if (x < 0 || rt.b >= batch_size) return false;
+  rt.seq_origin = owner_origin(cum, batch_size, rt.b, token_count);
+  rt.rows0 = (x % tiles_per_seq) * ROWS;
+  rt.seq_rows = ((long long)owner_origin(cum, batch_size, rt.b + 1, token_count) - rt.seq_origin) * group;
+  if (rt.rows0 >= rt.seq_rows) return false;
+  rt.seq_cum = __ldg(cum + rt.b);
+  return true;
+}
+
 // ---- new keys read from the call's own key / value inputs ----------------------------------------
 // When the prologue stores K and V unchanged -- key and value given apart, a T cache, no rotary, no
 // QK-norm, derived slots, no query_positions (prefill.py kv_from_inputs decides from static facts) --

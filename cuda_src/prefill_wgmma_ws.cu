@@ -6,7 +6,8 @@
 // value: NewKeys), cum / past_seqlens / query_positions, head_sink. Writes: `out`, and `lse` when
 // asked for (non-null: each row's log-sum-exp in the epilogue, -inf for unowned tokens in the zero
 // pass; no other pass over the keys). Host values that size the launch: token_count, batch_size,
-// head counts (num_tiles, zero_ctas) and the CTA count (at most one per SM); none enters a mask.
+// head counts (num_tiles, tiles_per_seq, zero_ctas) and the CTA count (at most one per SM); none enters a
+// mask.
 //
 // One CTA per SM (512 threads, ~200 KB of shared memory) loops over the work items (row tile x, KV
 // head g; numbered heaviest first as the one-CTA-per-item kernels number their CTAs), round r taking
@@ -120,7 +121,9 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     // by cp.async only) or 8, 16, 32 dividing block_size (box destinations, box-aligned 128-byte rows,
     // then stay 1024-byte aligned as the swizzle needs); tma_inputs 0: key / value rows by cp.async only.
     const __grid_constant__ TmaMap tm_kc, const __grid_constant__ TmaMap tm_vc, const __grid_constant__ TmaMap tm_k,
-    const __grid_constant__ TmaMap tm_v, int tma_box, int tma_inputs) {
+    const __grid_constant__ TmaMap tm_v, int tma_box, int tma_inputs,
+    // row tiles: num_tiles in the numbering of paged_prefill (0), or at most tiles_per_seq a sequence
+    int tiles_per_seq) {
   // (k_scale, v_scale, k_quant, v_quant: the argument list of paged_prefill; unused, T caches only.)
   using Cfg = WsPrefillConfig;
   using L = WsPrefillSmem;
@@ -251,7 +254,10 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         if (more) {
           g = (int)(w % Hk);
           // (every scheduler warp computes the same, so the skip is uniform)
-          if (!locate_row_tile<ROWS>(cum, B, token_count, (long long)num_tiles - 1 - w / Hk, G, lane, rt)) continue;
+          const long long x = (long long)num_tiles - 1 - w / Hk;
+          if (!(tiles_per_seq > 0 ? locate_bounded_tile<ROWS>(cum, B, token_count, x, tiles_per_seq, G, rt)
+                                  : locate_row_tile<ROWS>(cum, B, token_count, x, G, lane, rt)))
+            continue;
         }
         const int buf = n & 1;
         if (n >= NQ) {

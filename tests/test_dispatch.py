@@ -151,16 +151,24 @@ def test_wgmma_launch_plan_and_shared_memory(rng):
 
 
 def test_wgmma_row_tiles_under_a_query_bound(rng):
-    """max_query_len_bound drops the trailing row tiles that would be empty (contract §4.5): one token of
-    a 256-head group per sequence is 2 tiles a sequence, not the 12 the token count alone allows."""
+    """max_query_len_bound drops the row tiles that would be empty (contract §4.5): one token of a
+    256-head group per sequence is 2 tiles a sequence in the bounded numbering (8 items a KV head here),
+    not the 12 of paged_prefill's numbering; where that numbering is as small, it stays. The choice
+    between the prefill backends sees the static count either way."""
     kw = dict(q_lens=[1] * 4, past=[300] * 4, H=512, Hk=2, D=128)
     loose, tight = problem_of(rng, **kw), problem_of(rng, metadata=[1, 512], **kw)
-    assert prefill_wgmma.launch_plan(loose, 132)["num_tiles"] == 4 * 256 // 128 + 4
+    plan = prefill_wgmma.launch_plan(loose, 132)
+    assert plan["num_tiles"] == plan["static_tiles"] == 4 * 256 // 128 + 4 and plan["tiles_per_seq"] == 0
     plan = prefill_wgmma.launch_plan(tight, 132)
-    assert plan["num_tiles"] == 4 * 2 and plan["items"] == 8 * 2 and plan["persistent"] == 16
-    # a bound above the longest sequence leaves the token-count bound where it is smaller
-    p = problem_of(rng, metadata=[40, 0])
-    assert prefill_wgmma.launch_plan(p, 132)["num_tiles"] == min((70 * 4) // 128 + 2, 2 * -(-(40 * 4) // 128))
+    assert (plan["num_tiles"], plan["tiles_per_seq"], plan["static_tiles"]) == (8, 2, 12)
+    assert plan["items"] == 16 and plan["persistent"] == 16
+    assert prefill_wgmma.BACKEND._tail_args(tight, DEFAULT)[-1] == 2
+    assert prefill_wgmma.BACKEND._tail_args(loose, DEFAULT)[-1] == 0
+    assert "at most 2 a sequence" in prefill_wgmma.BACKEND.describe(tight, H200, DEFAULT)
+    assert prefill_wgmma.BACKEND.preferred(tight, H200, DEFAULT) == prefill_wgmma.BACKEND.preferred(loose, H200, DEFAULT)
+    p = problem_of(rng, metadata=[40, 0])           # 2 sequences of up to 160 rows: 2 x 2 >= (70 * 4) // 128 + 2
+    plan = prefill_wgmma.launch_plan(p, 132)
+    assert (plan["num_tiles"], plan["tiles_per_seq"]) == ((70 * 4) // 128 + 2, 0)
 
 
 def test_pinned_specializations_and_compile_tasks():

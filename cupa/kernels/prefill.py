@@ -87,7 +87,8 @@ def launch_plan(problem: Problem, tile: tuple) -> dict:
     threads = 32 * warps
     num_tiles = (p.token_count * p.group_size) // rows + p.batch_size
     zero_ctas = math.ceil(p.token_count / threads)  # one thread per token checks its ownership
-    return {"rows": rows, "threads": threads, "num_tiles": num_tiles, "zero_ctas": zero_ctas,
+    return {"rows": rows, "threads": threads, "num_tiles": num_tiles, "static_tiles": num_tiles,
+            "zero_ctas": zero_ctas,
             "grid": zero_ctas + num_tiles * p.kv_num_heads, "keys": keys, "stages": stages, "tile": tile}
 
 
@@ -158,7 +159,7 @@ class PrefillBackend(CudaBackend):
         if p.token_count > p.batch_size:
             return True
         return (device is not None and p.group_size >= WIDE_GROUP
-                and self._plan(p, device, options)["num_tiles"] * p.kv_num_heads * 2 >= device.sm_count)
+                and self._plan(p, device, options)["static_tiles"] * p.kv_num_heads * 2 >= device.sm_count)
 
     def specializations(self) -> list:
         specs = []

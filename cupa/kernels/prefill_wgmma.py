@@ -68,18 +68,22 @@ def launch_plan(problem: Problem, sms: Optional[int] = None) -> dict:
     """Grid of the persistent kernel: the zero-pass CTAs, then ``sms`` CTAs (None: as many as work items,
     the bound used before a device is known) looping over the work items (row tile, KV head).
 
-    A row tile holds up to ROWS (token, group head) rows of one sequence, so a call has at most
-    token_count * group_size // ROWS + batch_size of them, and at most batch_size * ceil(max_query_len_bound
-    * group_size / ROWS) under attention_metadata: the bound drops trailing items that would be empty
-    (contract §4.5), which matters for many short sequences of many heads (the cascade's heads-form prefix:
-    one token of 2048 heads per key split)."""
+    Row tiles are numbered as paged_prefill numbers them (``static_tiles`` of them), or, when
+    attention_metadata's max_query_len_bound allows fewer, ``tiles_per_seq`` = ceil(bound * group_size /
+    ROWS) a sequence (locate_bounded_tile): the bound drops trailing tiles that would be empty (contract
+    §4.5), as with many one-token sequences of a wide group (the heads-form cascade prefix)."""
     p = problem
-    num_tiles = min((p.token_count * p.group_size) // ROWS + p.batch_size,
-                    p.batch_size * -(-(p.max_query_len_bound * p.group_size) // ROWS))
+    static_tiles = num_tiles = (p.token_count * p.group_size) // ROWS + p.batch_size
+    tiles_per_seq = 0
+    if p.has_metadata and p.batch_size > 0:
+        per_seq = -(-(p.max_query_len_bound * p.group_size) // ROWS)
+        if p.batch_size * per_seq < static_tiles:
+            num_tiles, tiles_per_seq = p.batch_size * per_seq, per_seq
     items = num_tiles * p.kv_num_heads
     zero_ctas = math.ceil(p.token_count / THREADS)
     persistent = items if sms is None else max(1, min(items, sms))
-    return {"rows": ROWS, "threads": THREADS, "num_tiles": num_tiles, "zero_ctas": zero_ctas,
+    return {"rows": ROWS, "threads": THREADS, "num_tiles": num_tiles, "static_tiles": static_tiles,
+            "tiles_per_seq": tiles_per_seq, "zero_ctas": zero_ctas,
             "items": items, "persistent": persistent, "grid": zero_ctas + persistent, "keys": KEYS,
             "stages": STAGES}
 
@@ -142,10 +146,12 @@ class PrefillWgmmaBackend(PrefillBackend):
         if inputs:
             feed.append(f"new rows from key/value by TMA in boxes of {WARP_KEYS}")
         feed = "; ".join(feed + ["otherwise block-table gathers with cp.async"])
+        per_seq = (f"(at most {plan['tiles_per_seq']} a sequence: attention_metadata's max_query_len_bound) "
+                   if plan["tiles_per_seq"] else "")
         return (f"paged prefill on Hopper warpgroup MMA, warp-specialized (wgmma m64n128k16, sm_90a): "
                 f"{plan['persistent']} persistent CTAs of a copier warpgroup ({feed}), a scheduler warpgroup and "
                 f"2 consumer warpgroups taking turns (mbarriers, setmaxnreg), over {plan['num_tiles']} row tiles "
-                f"of {plan['rows']} (token, group head) rows x {problem.kv_num_heads} KV heads, + "
+                f"{per_seq}of {plan['rows']} (token, group head) rows x {problem.kv_num_heads} KV heads, + "
                 f"{plan['zero_ctas']} zero-pass CTA(s); keys in tiles of {plan['keys']} through a "
                 f"{plan['stages']}-stage ring; {prologue_phrase(problem, device, options)}; token_count "
                 f"({problem.token_count}) {'>' if self.preferred(problem) else '<='} batch_size "
@@ -163,7 +169,7 @@ class PrefillWgmmaBackend(PrefillBackend):
 
     def _tail_args(self, p: Problem, options: Options) -> tuple:
         cache_box, inputs = tma_plan(p, options)
-        return (launch.TENSOR_MAP,) * 4 + (i32(cache_box), i32(int(inputs)))
+        return (launch.TENSOR_MAP,) * 4 + (i32(cache_box), i32(int(inputs)), i32(launch_plan(p)["tiles_per_seq"]))
 
     def _maps(self, p: Problem, tail: tuple):
         return _maps(p, int(tail[4]), bool(tail[5]))  # the plan the kernel's arguments carry
