@@ -45,9 +45,10 @@ HEADS_MAX_ROWS = 4096
 #: most key splits of a heads-form prefix (the merge takes the splits and the suffix as at most 16 states)
 MAX_PREFIX_SPLITS = 15
 #: ``prefix_splits="auto"``: fewest shared keys a split holds. Each split adds a copy of the queries and
-#: a state to merge: on an H200, B=64 decode tokens (GQA 32/8, D=128) over an 8192-key prefix took 142 us
-#: for the whole captured step with 1 split, 100 us with 4, 111 with 8 and 131 with 15.
-MIN_SPLIT_KEYS = 2048
+#: a state to merge: on an H200, B=64 decode tokens (GQA 32/8, D=128) over an 8192-key prefix took 139 us
+#: for the whole captured step with 1 split, 94 us with 4, 91 with 6, 86 with 8 (one row tile per SM) and
+#: 102 with 15 (benchmarks/profile_cascade.py).
+MIN_SPLIT_KEYS = 1024
 #: ``prefix_splits="auto"``: (token, group head) rows of one tensor-core prefill row tile
 TILE_ROWS = 128
 

@@ -95,10 +95,10 @@ def test_heads_prefix_split_by_keys(rng, feature, splits):
 def test_prefix_splits_for_fills_the_device():
     from cupa.cascade import MAX_PREFIX_SPLITS, prefix_splits_for
 
-    # the benchmark case: 64 tokens x 4 heads a KV head = 2 row tiles x 8 KV heads; 132 SMs would take 8 splits,
-    # at least MIN_SPLIT_KEYS (2048) keys a split leaves 4
-    assert prefix_splits_for(64, 32, 8, 8192, 16, 132) == 4
-    assert prefix_splits_for(64, 32, 8, 4096, 16, 132) == 2
+    # the benchmark case: 64 tokens x 4 heads a KV head = 2 row tiles x 8 KV heads; 132 SMs take 8 splits;
+    # at least MIN_SPLIT_KEYS (1024) keys a split leaves 4 of a 4096-key prefix
+    assert prefix_splits_for(64, 32, 8, 8192, 16, 132) == 8
+    assert prefix_splits_for(64, 32, 8, 4096, 16, 132) == 4
     assert prefix_splits_for(64, 32, 8, 1024, 16, 132) == 1
     assert prefix_splits_for(4096, 32, 8, 65536, 16, 132) == 1       # the row tiles fill the device already
     assert prefix_splits_for(1, 8, 1, 1 << 20, 16, 1000) == MAX_PREFIX_SPLITS

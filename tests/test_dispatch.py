@@ -169,6 +169,9 @@ def test_wgmma_row_tiles_under_a_query_bound(rng):
     p = problem_of(rng, metadata=[40, 0])           # 2 sequences of up to 160 rows: 2 x 2 >= (70 * 4) // 128 + 2
     plan = prefill_wgmma.launch_plan(p, 132)
     assert (plan["num_tiles"], plan["tiles_per_seq"]) == ((70 * 4) // 128 + 2, 0)
+    # 4 x 2048 tokens of GQA 4: 256 bounded tiles against 260 -- too few dropped to renumber
+    p = problem_of(rng, metadata=[2048, 2048], q_lens=[2048] * 4, past=[0] * 4, H=8, Hk=2)
+    assert prefill_wgmma.launch_plan(p, 132)["tiles_per_seq"] == 0
 
 
 def test_pinned_specializations_and_compile_tasks():
