@@ -109,6 +109,23 @@ def test_prefill_new_rows_of_the_causal_future(cp, rng, backend, dtype, which, v
 
 
 @pytest.mark.parametrize("backend", ["prefill", "prefill_wgmma"])
+def test_prefill_poisoned_rows_among_many_work_items(cp, rng, backend):
+    """Many more work items than SMs (the wgmma prefill's CTAs loop over several), with poisoned V rows
+    near the end of each sequence (heavy items, run first), in the middle and near the start (light
+    items, run last): every token before a poisoned key keeps its bits."""
+    backend_or_skip(cp, backend)
+    clean, attrs = util.build(rng, q_lens=[1024, 1024, 1000, 1024], past=[0, 0, 0, 0], H=16, Hk=4, D=128,
+                              block_size=256)
+    bad = {0: [40, 500, 1000], 1: [700, 1020], 2: [77], 3: [12, 999]}
+    poisoned = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in clean.items()}
+    cum = clean["cumulative_sequence_length"]
+    for i, (b, positions) in enumerate(bad.items()):
+        for k in positions:
+            poisoned["value"][cum[b] + k] = np.inf if i % 2 else np.nan
+    assert check_isolated(cp, clean, poisoned, attrs, bad, backend) > 800  # (40 + 700 + 77 + 12 tokens)
+
+
+@pytest.mark.parametrize("backend", ["prefill", "prefill_wgmma"])
 @pytest.mark.parametrize("is_causal", [1, 0])
 @pytest.mark.parametrize("dtype,cache", [("float16", "T"), ("bfloat16", "T"), ("float16", "fp8")])
 def test_prefill_past_rows_left_of_a_window(cp, rng, backend, is_causal, dtype, cache):

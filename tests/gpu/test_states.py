@@ -128,9 +128,22 @@ def _lse_reference(inputs, attrs):
     return cupa.paged_attention(**ref_in, **util.host_attrs(attrs), return_lse=True)
 
 
+def _lse_over_written_caches(monkeypatch, inputs, attrs, key_cache, value_cache):
+    """The reference's lse over the caches as a backend wrote them (host copies): the written values may
+    differ from the reference's by one unit or one code (contract §6), which moves an lse by more than
+    fp32 arithmetic does."""
+    from cupa import reference
+
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    ref_in.update(key_cache=key_cache, value_cache=value_cache)
+    with monkeypatch.context() as m:
+        m.setattr(reference, "_write_cache", lambda *a, **k: None)  # (the new rows are in them already)
+        return cupa.paged_attention(**ref_in, **util.host_attrs(attrs), return_lse=True)[1]
+
+
 @pytest.mark.parametrize("case", sorted(LSE_CASES))
 @pytest.mark.parametrize("backend", dispatch.CUDA_BACKENDS)
-def test_return_lse_on_every_backend(cp, rng, case, backend):
+def test_return_lse_on_every_backend(cp, rng, monkeypatch, case, backend):
     inputs, attrs = util.build(rng, **LSE_CASES[case])
     attrs = util.with_options(attrs, backend=backend)
     dev = util.to_device(cp, inputs)
@@ -144,7 +157,12 @@ def test_return_lse_on_every_backend(cp, rng, case, backend):
     out, lse = op(**dev)
     host = cp.asnumpy(out)
     assert util.rel_err(host, want_out) < util.TOLERANCE[problem.dtype]
-    util.assert_lse_close(cp.asnumpy(lse), want_lse, tol=1e-4)
+    written = _lse_over_written_caches(monkeypatch, inputs, attrs, cp.asnumpy(dev["key_cache"]),
+                                       cp.asnumpy(dev["value_cache"]))
+    # Over 8-bit caches the kernels attend over codes widened to T, with the K scale folded into Q or
+    # the score scale: each product carries T's rounding (2^-11 relative for fp16, as the output's 2e-3
+    # of contract §6 does), so a score, and the lse it dominates, moves by up to about 1e-3 of its size.
+    util.assert_lse_close(cp.asnumpy(lse), written, tol=1e-3 if problem.quantized else 1e-4)
     again_out, again_lse = cupa.PagedAttention(**attrs, return_lse=True)(**util.to_device(cp, inputs))
     assert np.array_equal(cp.asnumpy(again_lse), cp.asnumpy(lse)), "lse not deterministic"
 
