@@ -22,6 +22,10 @@ MERGE_INPUTS = np.dtype([("out", np.uint64, (MERGE_LISTED,)), ("lse", np.uint64,
                          ("group", np.int32), ("tokens", np.int64), ("valid", np.uint64)])
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
 CASCADE_THREADS = 256
+#: what a cascade_inputs launch writes (mirrors states.cu): the prefix call's inputs (stacked queries,
+#: prefix block table), the rest (positions, the suffix call's past, positions and block table), or both
+CASCADE_PREFIX_PART, CASCADE_REST = 1, 2
+CASCADE_ALL = CASCADE_PREFIX_PART | CASCADE_REST
 
 
 def sink_types(dtype: str) -> tuple:
@@ -97,12 +101,17 @@ def merge(outputs, lses, head_sink, out, out_lse, num_heads: int, stream, heads_
                 types.ptr(head_sink), out, types.ptr(out_lse)))
 
 
-def stack_units(query, head_size: int):
+#: stacked-query units ``cascade_inputs`` copies at most (its copy loop indexes them in 32 bits)
+MAX_STACK_UNITS = (1 << 31) - 1
+
+
+def stack_units(query, head_size: int, heads: int = 0, copies: int = 1):
     """16-byte units of one ``query`` head row when ``cascade_inputs`` can copy the heads form's stacked
-    queries from it (16-byte aligned rows and row stride, contiguous heads), else None."""
+    queries from it (16-byte aligned rows and row stride, contiguous heads, and ``copies`` copies of
+    ``heads`` head rows within :data:`MAX_STACK_UNITS` units), else None."""
     row = head_size * query.dtype.itemsize
     if (query.ndim != 2 or row % 16 or query.data.ptr % 16 or query.strides[1] != query.dtype.itemsize
-            or query.strides[0] % 16):
+            or query.strides[0] % 16 or copies * heads * (row // 16) > MAX_STACK_UNITS):
         return None
     return row // 16
 
@@ -110,7 +119,8 @@ def stack_units(query, head_size: int):
 def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int, rotary_max_pos: int,
                    prefix_len: int, prefix_blocks: int, prefix_rows: int, prefix_cols: int, prefix_split: bool,
                    prefix_positions, suffix_past, suffix_positions, suffix_table, prefix_table, stream,
-                   query=None, kv_num_heads: int = 0, group: int = 0, head_size: int = 0, stacked=None) -> None:
+                   query=None, kv_num_heads: int = 0, group: int = 0, head_size: int = 0, stacked=None,
+                   parts: int = CASCADE_ALL) -> None:
     """Launch ``cascade_inputs`` on ``stream``: fills ``prefix_positions`` (N,), ``suffix_past`` (B,),
     ``suffix_positions`` (N,; only with ``query_positions``), ``suffix_table`` (B, max_blocks -
     prefix_blocks) and ``prefix_table`` (prefix_rows, prefix_cols), all int32 CuPy arrays. The prefix
@@ -120,16 +130,21 @@ def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int,
     With ``stacked`` (a C-contiguous array of prefix_rows * N * kv_num_heads * group * head_size
     elements of ``query``'s dtype) it also writes the heads form's queries there: prefix_rows copies of
     ``query``'s first kv_num_heads * group heads, KV-head major (KV head, token, group head); ``query``
-    must pass :func:`stack_units`."""
+    must pass :func:`stack_units`.
+
+    ``parts``: :data:`CASCADE_PREFIX_PART` writes the stacked queries and ``prefix_table`` only,
+    :data:`CASCADE_REST` the other arrays only, :data:`CASCADE_ALL` (default) everything."""
     cupy = _cupy()
     N, B, max_blocks = prefix_positions.shape[0], past.shape[0], block_table.shape[1]
     units, q_row, copy = 0, 0, 0
     if stacked is not None:
-        units = stack_units(query, head_size)
+        units = stack_units(query, head_size, kv_num_heads * N * group, prefix_rows)
         assert units is not None and stacked.flags.c_contiguous and stacked.data.ptr % 16 == 0
         q_row, copy = query.strides[0] // 16, kv_num_heads * N * group * units
         assert stacked.nbytes == copy * prefix_rows * 16
-    total = copy * prefix_rows + N + B + B * (max_blocks - prefix_blocks) + prefix_rows * prefix_cols
+    assert parts in (CASCADE_PREFIX_PART, CASCADE_REST, CASCADE_ALL)
+    total = ((copy * prefix_rows + prefix_rows * prefix_cols if parts & CASCADE_PREFIX_PART else 0)
+             + (N + B + B * (max_blocks - prefix_blocks) if parts & CASCADE_REST else 0))
     if total == 0:
         return
     blocks = min(-(-total // CASCADE_THREADS), 1024)
@@ -140,4 +155,5 @@ def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int,
                 np.int64(kv_capacity), np.int32(rotary_max_pos), np.int32(prefix_len), np.int32(prefix_blocks),
                 np.int32(prefix_rows), np.int32(prefix_cols), np.int32(int(prefix_split)), prefix_positions,
                 suffix_past, types.ptr(suffix_positions), suffix_table, prefix_table, types.ptr(query),
-                np.int64(q_row), np.int32(group), np.int32(units), np.int64(copy), types.ptr(stacked)))
+                np.int64(q_row), np.int32(group), np.int32(units), np.int64(copy), types.ptr(stacked),
+                np.int32(parts)))
