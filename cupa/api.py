@@ -109,6 +109,7 @@ class PagedAttention:
         # (metadata, (type, shape, dtype) per input) -> [Problem, backend or None]; see _memo_entry()
         self._problems = {}
         self._last = (None, None)   # (key, entry) of the last memo hit or fill: checked before the dict
+        self._writes = True   # False: every call's slot_mapping is all -1 (dispatch.Plan.writes; cupa.cascade)
 
     def __repr__(self) -> str:
         default = Attributes(num_heads=1, kv_num_heads=1)
@@ -162,7 +163,7 @@ class PagedAttention:
         plan = entry[1]
         if plan is None:
             # A mix of host and device inputs, or no backend for the problem, raises here (never memoized).
-            plan = entry[1] = dispatch.make_plan(entry[0], inputs, self.options)
+            plan = entry[1] = dispatch.make_plan(entry[0], inputs, self.options, self._writes)
         return plan
 
     def plan(self, *args, **kwargs) -> dispatch.Plan:
@@ -191,7 +192,7 @@ class PagedAttention:
         entry = self._memo_entry(inputs)
         plan = entry[1]
         if plan is None:
-            plan = entry[1] = dispatch.make_plan(entry[0], inputs, self.options)
+            plan = entry[1] = dispatch.make_plan(entry[0], inputs, self.options, self._writes)
         if self.options.validate_data:
             validate_data(plan.problem, {name: arrays.to_host(inputs[name]) for name in _DATA_CHECKED})
         return plan.backend.run(plan, inputs, out, stream)

@@ -52,6 +52,10 @@ class Plan:
     state : dict
         The backend's launch state for this plan (kernels, launch sequences, workspace layout),
         built on its first run.
+    writes : bool
+        False when the caller guarantees that no call of this plan stores a cache row (every
+        slot_mapping entry is -1, as in the prefix call of :class:`cupa.CascadeAttention`): a backend may
+        then leave out a launch whose only effect would be storing rows.
     """
 
     problem: Problem
@@ -59,6 +63,7 @@ class Plan:
     device: Optional[DeviceInfo]
     options: Options
     state: dict = field(default_factory=dict)
+    writes: bool = True
 
     def run(self, inputs: dict, out=None, stream=None):
         return self.backend.run(self, inputs, out, stream)
@@ -179,16 +184,17 @@ def _host_backend(options: Options):
     return BACKEND
 
 
-def make_plan(problem: Problem, inputs: dict, options: Options) -> Plan:
-    """The Plan of one call: the backend for these inputs (reference for host inputs)."""
+def make_plan(problem: Problem, inputs: dict, options: Options, writes: bool = True) -> Plan:
+    """The Plan of one call: the backend for these inputs (reference for host inputs); ``writes``:
+    :attr:`Plan.writes`."""
     ordinal = call_device(inputs)
     if ordinal is None:
-        return Plan(problem, _host_backend(options), None, options)
+        return Plan(problem, _host_backend(options), None, options, writes=writes)
     device = device_info(ordinal)
     backend = choose(problem, device, options)
     log.info("cupa: %s backend for N=%d B=%d on device %d", backend.name, problem.token_count, problem.batch_size,
              ordinal)
-    return Plan(problem, backend, device, options)
+    return Plan(problem, backend, device, options, writes=writes)
 
 
 def explain(problem: Problem, inputs: dict, options: Options) -> str:

@@ -214,8 +214,12 @@ class DecodeBackend(CudaBackend):
         r.split = num_splits > 1
         decode_pointers = ((_I["query"],) + _DECODE_POINTERS[1:]) if passthrough else _DECODE_POINTERS
         # The decode kernel waits for the prologue in every CTA (grid_dependency_wait): programmatic launch.
-        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (decode, decode_pointers, True)], _NPOINTERS,
-                                     route=options.launch, pdl=launch.pdl_allowed(device, options))
+        # No prologue where it would only store rows and none is stored (no Q rows, no split counters).
+        if passthrough and not r.split and not plan.writes:
+            steps = [(decode, decode_pointers)]
+        else:
+            steps = [(prologue, _PROLOGUE_POINTERS), (decode, decode_pointers, True)]
+        r.launches = launch.Sequence(steps, _NPOINTERS, route=options.launch, pdl=launch.pdl_allowed(device, options))
         return r
 
 

@@ -249,9 +249,12 @@ class PrefillBackend(CudaBackend):
             pointers[0] = _I["query"]
         if kv_from_inputs(p, options):
             pointers[1:3] = [_I["key"], _I["value"]]
-        prologue = prologue_launcher(p, device, options, beside=prologue_beside(p, device, options))
-        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (attend, pointers, True)], _NPOINTERS,
-                                     route=options.launch, pdl=launch.pdl_allowed(device, options))
+        if passthrough and not plan_.writes:   # the prologue would only store rows, and none is stored
+            steps = [(attend, pointers)]
+        else:
+            prologue = prologue_launcher(p, device, options, beside=prologue_beside(p, device, options))
+            steps = [(prologue, _PROLOGUE_POINTERS), (attend, pointers, True)]
+        r.launches = launch.Sequence(steps, _NPOINTERS, route=options.launch, pdl=launch.pdl_allowed(device, options))
         r.maps = self._maps(p, tail)
         return r
 
