@@ -7,7 +7,11 @@ prefix-split plans, each captured into a CUDA graph and replayed (CUDA events, L
 
 Parts: the whole step (``cupa.CascadeAttention``) for each ``prefix_splits``; the prefix call alone and
 the suffix call alone (the inputs the step gives them, computed once); the plain paged call. With
-``--ncu`` it only runs a few eager steps for a profiler to list the kernels.
+``--ncu`` it only runs a few eager steps for a profiler to list the kernels. With ``--sweep`` it times
+the whole step on each case of the cascade suite for each ``prefix_splits``, with the suffix beside the
+prefix (``concurrent=True``) and after it, next to the plain call:
+
+    python benchmarks/profile_cascade.py --sweep --splits auto,1,2,3,4,5,6,8,12 --out cascade_sweep.json
 """
 
 from __future__ import annotations
@@ -37,11 +41,17 @@ def build(cp, B=64, P=8192, S=256, bs=16, H=32, Hk=8, D=128, seed=0):
     normal = lambda s: cp.asarray(rng.standard_normal(s, dtype=np.float32).astype(np.float16))  # noqa: E731
     table = np.full((B, 2 * (nbp + nbs)), -1, dtype=np.int32)
     table[:, :nbp + nbs] = np.concatenate([np.broadcast_to(shared, (B, nbp)), own], axis=1)
-    return dict(query=normal((B, H * D)), key=normal((B, Hk * D)), value=normal((B, Hk * D)),
-                key_cache=normal(shape), value_cache=normal(shape),
-                cumulative_sequence_length=cp.asarray(np.arange(B + 1, dtype=np.int32)),
-                past_seqlens=cp.asarray(np.full(B, P + S - 1, dtype=np.int32)), block_table=cp.asarray(table),
-                attention_metadata=np.array([1, P + S], dtype=np.int32))
+    x = dict(query=normal((B, H * D)), key=normal((B, Hk * D)), value=normal((B, Hk * D)),
+             key_cache=normal(shape), value_cache=normal(shape),
+             cumulative_sequence_length=cp.asarray(np.arange(B + 1, dtype=np.int32)),
+             past_seqlens=cp.asarray(np.full(B, P + S - 1, dtype=np.int32)), block_table=cp.asarray(table),
+             attention_metadata=np.array([1, P + S], dtype=np.int32))
+    cp.cuda.Device().synchronize()   # the copies have landed before calls on a non-blocking stream read them
+    return x
+
+
+#: (B, prefix, suffix) of the cascade suite's full size (cupa/bench/suites.py CascadeSuite)
+SWEEP_CASES = ((64, 8192, 256), (64, 8192, 512), (128, 32768, 1024), (32, 4096, 4096))
 
 
 def main(argv=None) -> int:
@@ -49,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--ncu", action="store_true", help="only a few eager steps (for a profiler)")
+    ap.add_argument("--sweep", action="store_true", help="the whole step on every case of the cascade suite, "
+                    "concurrent and serial, for each of --splits")
     ap.add_argument("--splits", default="auto,1,2,4,6,8,12,15")
     ap.add_argument("--decode-ctas", default="", help="also time the step under these "
                     "Options._tuning.decode_ctas_per_sm values (comma-separated; splits 'auto')")
@@ -79,6 +91,34 @@ def main(argv=None) -> int:
                 return timer.time_us(g.replay, reps=args.reps)["median_us"]
             finally:
                 g.close()
+
+    if args.sweep:
+        result = {"what": "whole cascade step, captured and replayed (median us), GQA 32/8 D=128 fp16 bs=16",
+                  "reps": args.reps, "cases": {}}
+        for B, prefix, suffix in SWEEP_CASES:
+            x = build(cp, B=B, P=prefix, S=suffix)
+            plain = cupa.PagedAttention(num_heads=H, kv_num_heads=Hk)
+            with stream:
+                ref = plain(**x).astype(cp.float32)
+            rows = result["cases"][f"B={B} prefix={prefix} suffix={suffix}"] = {"plain paged": graph_us(
+                lambda: plain(**x))}
+            for concurrent in (True, False):
+                for s in args.splits.split(","):
+                    op = cupa.CascadeAttention(prefix_len=prefix, num_heads=H, kv_num_heads=Hk, concurrent=concurrent,
+                                               prefix_splits=s if s == "auto" else int(s))
+                    with stream:
+                        got = op(**x)
+                        err = float(cp.abs(got.astype(cp.float32) - ref).max())
+                    us = graph_us(lambda op=op: op(**x))
+                    label = f"{'concurrent' if concurrent else 'serial'} prefix_splits={s}"
+                    rows[label] = {"step_us": us, "speedup_vs_plain": rows["plain paged"] / us,
+                                   "max_abs_diff_vs_plain": err,
+                                   "splits": op._step(op._plain.plan(**x).problem, 0).prefix_rows}
+                    print(f"B={B} prefix={prefix} suffix={suffix} {label}: {us:.1f} us "
+                          f"({rows['plain paged'] / us:.2f}x)", flush=True)
+        if args.out:
+            pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        return 0
 
     plain = cupa.PagedAttention(num_heads=H, kv_num_heads=Hk)
     with stream:

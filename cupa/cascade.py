@@ -15,14 +15,16 @@ once per sequence. :class:`CascadeAttention` reads them once for all the sequenc
 3. :func:`cupa.merge_states` of the prefix states and the suffix state with head_sink (one launch,
    which reads the heads form's KV-head-major rows where they are).
 
-Every step runs on the inputs' device and stream without a host synchronization; a step can be
-captured into a CUDA graph after one eager call (which compiles the kernels and uploads the few
-constant index arrays of the prefix call).
+Every step runs on the inputs' device and stream without a host synchronization -- the suffix by
+default on a side stream forked from it and joined back by events (``concurrent``), which a capture of
+the inputs' stream takes in -- and a step can be captured into a CUDA graph after one eager call (which
+compiles the kernels and uploads the few constant index arrays of the prefix call).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -45,24 +47,31 @@ HEADS_MAX_ROWS = 4096
 #: most key splits of a heads-form prefix (the merge takes the splits and the suffix as at most 16 states)
 MAX_PREFIX_SPLITS = 15
 #: ``prefix_splits="auto"``: fewest shared keys a split holds. Each split adds a copy of the queries and
-#: a state to merge: on an H200, B=64 decode tokens (GQA 32/8, D=128) over an 8192-key prefix took 139 us
-#: for the whole captured step with 1 split, 94 us with 4, 91 with 6, 86 with 8 (one row tile per SM) and
-#: 102 with 15 (benchmarks/profile_cascade.py).
-MIN_SPLIT_KEYS = 1024
+#: a state to merge; on an H200 (benchmarks/profile_cascade.py --sweep, each step captured and replayed),
+#: B=32 decode tokens over a 4096-key prefix with 4096 keys of their own took 172 us with 8 splits of 512
+#: keys and 184 with 4 of 1024.
+MIN_SPLIT_KEYS = 512
 #: ``prefix_splits="auto"``: (token, group head) rows of one tensor-core prefill row tile
 TILE_ROWS = 128
 
 
 def prefix_splits_for(token_count: int, num_heads: int, kv_num_heads: int, prefix_len: int, block_size: int,
-                      sm_count: int) -> int:
+                      sm_count: int, concurrent: bool = False) -> int:
     """``prefix_splits="auto"``: key splits of a heads-form prefix so that its row tiles (KV heads x
-    ceil(token_count * group size / TILE_ROWS)) times the splits come near ``sm_count`` without
-    exceeding it, each split keeping at least MIN_SPLIT_KEYS keys (whole blocks) -- at most
-    MAX_PREFIX_SPLITS, at least 1."""
+    ceil(token_count * group size / TILE_ROWS)) times the splits come near the SMs it has without
+    exceeding them -- ``sm_count``, or half of them when the prefix runs ``concurrent`` with the suffix
+    (which takes the other half) -- each split keeping at least MIN_SPLIT_KEYS keys (whole blocks); at
+    most MAX_PREFIX_SPLITS, at least 1.
+
+    On an H200 (GQA 32/8, D=128, fp16, block 16; each step captured and replayed), B=64 decode tokens
+    over an 8192-key prefix with 256 keys of their own: serial, 141 us with 1 split, 90 with 4, 80 with 8
+    (one row tile per SM), 96 with 15; concurrent, 68 us with 4 (64 row tiles: half the SMs), 69 with 5,
+    83 with 8."""
     rows = token_count * (num_heads // kv_num_heads)
     tiles = kv_num_heads * -(-rows // TILE_ROWS)
     blocks = prefix_len // block_size
-    splits = min(MAX_PREFIX_SPLITS, sm_count // max(tiles, 1), max(prefix_len // MIN_SPLIT_KEYS, 1), blocks)
+    budget = sm_count // 2 if concurrent else sm_count
+    splits = min(MAX_PREFIX_SPLITS, budget // max(tiles, 1), max(prefix_len // MIN_SPLIT_KEYS, 1), blocks)
     splits = max(splits, 1)
     per = -(-blocks // splits)
     return -(-blocks // per)   # whole blocks a split: no empty split
@@ -93,6 +102,13 @@ class CascadeAttention:
         (1 to :data:`MAX_PREFIX_SPLITS`; the last may be shorter). ``"auto"``:
         :func:`prefix_splits_for` with the device's SM count on a GPU, 1 on the host. The tokens form
         takes 1.
+    concurrent : bool, default True
+        On a GPU, run the suffix call beside the prefix call: on a side stream (one per thread, device
+        and stream) that an event forks from the inputs' stream after the index launch and another
+        joins back before the merge, so the two calls share the SMs (the suffix is bound by memory
+        latency, the prefix by the tensor cores); the heads form's ``"auto"`` splits then give the prefix
+        half the SMs. False: the prefix, then the suffix, on the inputs' stream. The results are the
+        same bits either way for the same ``prefix_splits``.
     num_heads, kv_num_heads, **attributes
         The attributes of :class:`cupa.PagedAttention` (``return_lse`` included; not ``qk_output``).
     options : cupa.Options, optional
@@ -106,8 +122,8 @@ class CascadeAttention:
     attention_bias and output_qk are not served (PagedAttentionError).
     """
 
-    def __init__(self, *, prefix_len: int, prefix_mode: str = "auto", prefix_splits="auto", num_heads: int = None,
-                 kv_num_heads: int = None, options: Options = None, **attributes: Any):
+    def __init__(self, *, prefix_len: int, prefix_mode: str = "auto", prefix_splits="auto", concurrent: bool = True,
+                 num_heads: int = None, kv_num_heads: int = None, options: Options = None, **attributes: Any):
         if isinstance(prefix_len, bool) or not isinstance(prefix_len, (int, np.integer)) or prefix_len < 1:
             raise fail("prefix_len", repr(prefix_len), "a positive integer (the shared cached positions)")
         if prefix_mode not in PREFIX_MODES:
@@ -118,7 +134,10 @@ class CascadeAttention:
         if prefix_mode == "tokens" and prefix_splits not in ("auto", 1):
             raise fail("prefix_splits", repr(prefix_splits), "'auto' or 1 with prefix_mode='tokens' (only the heads "
                        "form splits the shared keys)")
+        if not isinstance(concurrent, (bool, np.bool_)):
+            raise fail("concurrent", repr(concurrent), "True or False")
         self.prefix_len = int(prefix_len)
+        self.concurrent = bool(concurrent)
         self.prefix_mode = prefix_mode
         self.prefix_splits = prefix_splits if prefix_splits == "auto" else int(prefix_splits)
         self._plain = PagedAttention(num_heads=num_heads, kv_num_heads=kv_num_heads, options=options, **attributes)
@@ -135,7 +154,7 @@ class CascadeAttention:
 
     def __repr__(self) -> str:
         return (f"CascadeAttention(prefix_len={self.prefix_len}, prefix_mode={self.prefix_mode!r}, "
-                f"prefix_splits={self.prefix_splits!r}, {self._plain!r})")
+                f"prefix_splits={self.prefix_splits!r}, concurrent={self.concurrent}, {self._plain!r})")
 
     # -- planning ---------------------------------------------------------------------
     def _step(self, problem: Problem, device: Optional[int]) -> "_Step":
@@ -170,7 +189,7 @@ class CascadeAttention:
             splits = self.prefix_splits
             if splits == "auto":
                 splits = 1 if device is None else prefix_splits_for(N, p.num_heads, p.kv_num_heads, P, p.block_size,
-                                                                     device_info(device).sm_count)
+                                                                     device_info(device).sm_count, self.concurrent)
             prefix_cols = -(-prefix_blocks // min(splits, prefix_blocks))
             prefix_rows = -(-prefix_blocks // prefix_cols)
             keys = np.minimum(prefix_blocks - np.arange(prefix_rows) * prefix_cols, prefix_cols) * p.block_size
@@ -186,6 +205,7 @@ class CascadeAttention:
             metadata = np.array([max(1, int(q_lens.max())), P], np.int32)
             op = PagedAttention(**self._parts, return_lse=True, options=self.options)
             slots = N
+        op._writes = False   # its slot_mapping is all -1: no launch that would only store rows (dispatch.Plan.writes)
         return _Step(problem=p, mode=mode, prefix_blocks=prefix_blocks, prefix_rows=prefix_rows, prefix_cols=prefix_cols,
                      prefix_op=op, prefix_cum=cum, prefix_past=past, prefix_metadata=metadata,
                      prefix_slots=np.full(slots, -1, np.int32), suffix_metadata=_shifted_metadata(p, P), constants={})
@@ -316,9 +336,26 @@ class CascadeAttention:
                 out_view = arrays.empty_output(p.output_shape, p.dtype, query, device)
             lse_view = (arrays.empty_output(p.lse_shape, "float32", query, device)
                         if self.attributes.return_lse else None)
-            d = _derive_device(step, x, self.prefix_len, stream, kernels)
-            o_pre, lse_pre = self._prefix(step, x, d, cupy, stream)
-            o_suf, lse_suf = self._suffix_call(step, x, d, stream)
+            if self.concurrent:   # the suffix on a side stream, forked from the inputs' stream, joined here
+                side, fork, join = _side_stream(device, stream)
+                # the heads form's prefix reads no index array the suffix call needs: two index launches,
+                # one after the fork on each stream; the tokens form's prefix reads the positions: one before
+                split = step.mode == "heads"
+                if not split:
+                    d = _derive_device(step, x, self.prefix_len, stream, kernels)
+                fork.record(stream)
+                side.wait_event(fork)
+                if split:
+                    d = _derive_device(step, x, self.prefix_len, stream, kernels, side=side)
+                o_pre, lse_pre = self._prefix(step, x, d, cupy, stream)
+                with side:
+                    o_suf, lse_suf = self._suffix_call(step, x, d, side)
+                join.record(side)
+                stream.wait_event(join)
+            else:
+                d = _derive_device(step, x, self.prefix_len, stream, kernels)
+                o_pre, lse_pre = self._prefix(step, x, d, cupy, stream)
+                o_suf, lse_suf = self._suffix_call(step, x, d, stream)
             _capture.keep_alive(out_view, lse_view)
         if step.mode == "heads":   # the prefix call's rows stay KV-head major: the merge reads them so
             S = step.prefix_rows
@@ -365,6 +402,32 @@ class CascadeAttention:
             d["suffix_past"], d["suffix_table"], None if cos is None else cos[P:], None if sin is None else sin[P:],
             x["slot_mapping"], None, x["q_norm_weight"], x["k_norm_weight"], x["k_scale"], x["v_scale"],
             step.suffix_metadata, d["suffix_positions"], None, stream=stream)
+
+
+_sides = threading.local()   # .streams: {(device, stream pointer): (side stream, fork event, join event)}
+#: side streams kept per thread (one per device and stream a cascade step has run on)
+MAX_SIDE_STREAMS = 16
+
+
+def _side_stream(device: int, stream) -> tuple:
+    """The side stream of ``stream`` on this thread, with its fork and join events (created once).
+
+    One per (thread, device, stream): the memory a suffix call allocates on it returns to the
+    allocator's pool of that side stream, whose next use waits on a later fork from the same stream
+    -- after the merge that read it -- and a capture on one thread never takes in another's work."""
+    import cupy
+
+    streams = getattr(_sides, "streams", None)
+    if streams is None:
+        streams = _sides.streams = {}
+    key = (device, stream.ptr)
+    entry = streams.get(key)
+    if entry is None:
+        if len(streams) >= MAX_SIDE_STREAMS:
+            streams.pop(next(iter(streams)))
+        entry = streams[key] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                                cupy.cuda.Event(disable_timing=True))
+    return entry
 
 
 @dataclass(eq=False)
@@ -447,8 +510,10 @@ def _derive_host(step: _Step, x: dict, P: int) -> dict:
                 constants=_host_constants(step))
 
 
-def _derive_device(step: _Step, x: dict, P: int, stream, kernels) -> dict:
-    """The index arrays of one cascade call on the device: one ``cascade_inputs`` launch."""
+def _derive_device(step: _Step, x: dict, P: int, stream, kernels, side=None) -> dict:
+    """The index arrays of one cascade call on the device: one ``cascade_inputs`` launch on ``stream``, or
+    with a ``side`` stream (the heads form, concurrent) two: the prefix call's inputs on ``stream``, the
+    rest -- the positions the merge reads after the join, the suffix call's inputs -- on ``side``."""
     import cupy
 
     p = step.problem
@@ -474,21 +539,25 @@ def _derive_device(step: _Step, x: dict, P: int, stream, kernels) -> dict:
         at += n
     # the heads form's stacked queries, copied by the same launch where the query rows allow it
     stacked = None
-    if step.mode == "heads" and kernels.stack_units(x["query"], p.head_size) is not None:
+    if step.mode == "heads" and kernels.stack_units(x["query"], p.head_size, N * p.num_heads,
+                                                    step.prefix_rows) is not None:
         stacked = cupy.empty((step.prefix_rows, N * p.num_heads * p.head_size), dtype=x["query"].dtype)
         _capture.keep_alive(stacked)
-    kernels.cascade_inputs(x["cumulative_sequence_length"], x["past_seqlens"], x["block_table"], qp,
-                           kv_capacity=p.static_kv_capacity, rotary_max_pos=p.rotary_max_pos, prefix_len=P,
-                           prefix_blocks=Pb, prefix_rows=step.prefix_rows, prefix_cols=step.prefix_cols,
-                           prefix_split=step.mode == "heads", stream=stream, query=x["query"],
-                           kv_num_heads=p.kv_num_heads, group=p.group_size, head_size=p.head_size, stacked=stacked,
-                           **d)
+    launches = [(stream, kernels.CASCADE_ALL)] if side is None else [(stream, kernels.CASCADE_PREFIX_PART),
+                                                                     (side, kernels.CASCADE_REST)]
+    for on, parts in launches:
+        kernels.cascade_inputs(x["cumulative_sequence_length"], x["past_seqlens"], x["block_table"], qp,
+                               kv_capacity=p.static_kv_capacity, rotary_max_pos=p.rotary_max_pos, prefix_len=P,
+                               prefix_blocks=Pb, prefix_rows=step.prefix_rows, prefix_cols=step.prefix_cols,
+                               prefix_split=step.mode == "heads", stream=on, query=x["query"],
+                               kv_num_heads=p.kv_num_heads, group=p.group_size, head_size=p.head_size,
+                               stacked=stacked, parts=parts, **d)
     d["constants"], d["stacked"] = constants, stacked
     return d
 
 
-def cascade_attention(*args, prefix_len: int, prefix_mode: str = "auto", prefix_splits="auto", out=None,
-                      stream=None, options: Options = None, **kwargs):
+def cascade_attention(*args, prefix_len: int, prefix_mode: str = "auto", prefix_splits="auto", concurrent: bool = True,
+                      out=None, stream=None, options: Options = None, **kwargs):
     """:class:`CascadeAttention` as a function: ``cascade_attention(*inputs, prefix_len=P, num_heads=...,
     kv_num_heads=..., **attributes)``. Inputs by position (ONNX order) or keyword, as
     :func:`cupa.paged_attention`; the bound op is rebuilt each call (bind a :class:`CascadeAttention`
@@ -496,5 +565,5 @@ def cascade_attention(*args, prefix_len: int, prefix_mode: str = "auto", prefix_
     attribute_names = set(Attributes.names())
     attributes = {k: kwargs.pop(k) for k in list(kwargs) if k in attribute_names}
     op = CascadeAttention(prefix_len=prefix_len, prefix_mode=prefix_mode, prefix_splits=prefix_splits,
-                          options=options, **attributes)
+                          concurrent=concurrent, options=options, **attributes)
     return op(*args, out=out, stream=stream, **kwargs)

@@ -95,11 +95,14 @@ def test_heads_prefix_split_by_keys(rng, feature, splits):
 def test_prefix_splits_for_fills_the_device():
     from cupa.cascade import MAX_PREFIX_SPLITS, prefix_splits_for
 
-    # the benchmark case: 64 tokens x 4 heads a KV head = 2 row tiles x 8 KV heads; 132 SMs take 8 splits;
-    # at least MIN_SPLIT_KEYS (1024) keys a split leaves 4 of a 4096-key prefix
+    # the benchmark case: 64 tokens x 4 heads a KV head = 2 row tiles x 8 KV heads; 132 SMs take 8 splits,
+    # and half of them (concurrent with the suffix) 4; at least MIN_SPLIT_KEYS (512) keys a split
     assert prefix_splits_for(64, 32, 8, 8192, 16, 132) == 8
-    assert prefix_splits_for(64, 32, 8, 4096, 16, 132) == 4
-    assert prefix_splits_for(64, 32, 8, 1024, 16, 132) == 1
+    assert prefix_splits_for(64, 32, 8, 8192, 16, 132, concurrent=True) == 4
+    assert prefix_splits_for(64, 32, 8, 2048, 16, 132) == 4
+    assert prefix_splits_for(64, 32, 8, 512, 16, 132) == 1
+    assert prefix_splits_for(32, 32, 8, 4096, 16, 132, concurrent=True) == 8    # 8 row tiles: 8 runs of 512
+    assert prefix_splits_for(128, 32, 8, 32768, 16, 132, concurrent=True) == 2  # 32 row tiles
     assert prefix_splits_for(4096, 32, 8, 65536, 16, 132) == 1       # the row tiles fill the device already
     assert prefix_splits_for(1, 8, 1, 1 << 20, 16, 1000) == MAX_PREFIX_SPLITS
     assert prefix_splits_for(1, 8, 8, 7 * 2048, 2048, 132) == 7      # whole blocks: 7 runs of one
@@ -184,6 +187,44 @@ def test_cascade_errors_name_the_input(rng):
             cupa.CascadeAttention(prefix_len=bad, **case.attrs)
     with pytest.raises(cupa.PagedAttentionError, match="^prefix_mode: "):
         cupa.CascadeAttention(prefix_len=8, prefix_mode="rows", **case.attrs)
+    for bad in (1, "yes", None):
+        with pytest.raises(cupa.PagedAttentionError, match="^concurrent: got .*; expected True or False"):
+            cupa.CascadeAttention(prefix_len=8, concurrent=bad, **case.attrs)
     rot = cascade_case(rng, 8, 4, own=(0, 2), q_lens=(1, 1), rotary="half", max_position=8)
     with pytest.raises(cupa.PagedAttentionError, match="^cos_cache: got 8 rows; expected more than prefix_len"):
         cupa.CascadeAttention(prefix_len=8, **rot.attrs)(**_inputs(rot))
+
+
+def test_stack_units_keeps_the_copy_within_32_bit_indices():
+    """cascade_inputs indexes the stacked copies in 32 bits: beyond MAX_STACK_UNITS units the host stacks."""
+    from types import SimpleNamespace
+
+    from cupa.kernels.states import MAX_STACK_UNITS, stack_units
+
+    def query(rows, width, dtype=np.float16, ptr=256):
+        item = np.dtype(dtype).itemsize
+        return SimpleNamespace(ndim=2, dtype=np.dtype(dtype), data=SimpleNamespace(ptr=ptr),
+                               strides=(width * item, item), shape=(rows, width))
+
+    q = query(64, 32 * 128)
+    assert stack_units(q, 128) == 16                              # 256-byte head rows
+    heads = MAX_STACK_UNITS // 16 // 15
+    assert stack_units(q, 128, heads, 15) == 16
+    assert stack_units(q, 128, heads + 1, 15) is None
+    assert stack_units(query(64, 32 * 128, ptr=258), 128) is None   # start off 16 bytes
+    assert stack_units(query(64, 32 * 20, np.float32), 20) == 5
+    assert stack_units(query(64, 32 * 12), 12) is None              # 24-byte head rows
+
+
+def test_prefix_call_plans_write_nothing(rng):
+    """The prefix call's slot_mapping is all -1, and its plans say so (dispatch.Plan.writes: a backend may
+    leave out a launch that would only store rows); the plain call's and the suffix call's plans write."""
+    case = cascade_case(rng, 8, 4, own=(0, 2), q_lens=(1, 1))
+    op = cupa.CascadeAttention(prefix_len=8, **case.attrs)
+    inputs = _inputs(case)
+    op(**inputs)
+    step = next(iter(op._steps.values()))
+    assert not step.prefix_op._writes and (step.prefix_slots == -1).all()
+    assert [e[1].writes for e in step.prefix_op._problems.values() if e[1] is not None] == [False]
+    assert all(e[1].writes for e in op._suffix._problems.values() if e[1] is not None)
+    assert cupa.PagedAttention(**case.attrs).plan(**inputs).writes

@@ -243,26 +243,28 @@ class CascadeSuite(Suite):
         rec = base_record(step)
         rec["bytes"] = 2 * Hk * D * 2 * (P + B * S)     # fp16 K and V: the prefix once, each suffix
         rec["flops"] = 4.0 * H * D * B * (P + S)        # every query against every key, as the plain call
-        rng = np.random.default_rng(ctx.seed)
-        nbp, nbs = math.ceil(P / bs), math.ceil(S / bs)
-        perm = rng.permutation(nbp + B * nbs).astype(np.int32)
-        shared, own = perm[:nbp], perm[nbp:].reshape(B, nbs)
-        shape = (nbp + B * nbs, bs, Hk, D)
-        normal = lambda s: xp.asarray(rng.standard_normal(s, dtype=np.float32).astype(np.float16))  # noqa: E731
-        table = np.full((B, 2 * (nbp + nbs)), -1, dtype=np.int32)     # sized for twice the longest sequence
-        table[:, :nbp + nbs] = np.concatenate([np.broadcast_to(shared, (B, nbp)), own], axis=1)
-        inputs = dict(query=normal((B, H * D)), key=normal((B, Hk * D)), value=normal((B, Hk * D)),
-                      key_cache=normal(shape), value_cache=normal(shape),
-                      cumulative_sequence_length=xp.asarray(np.arange(B + 1, dtype=np.int32)),
-                      past_seqlens=xp.asarray(np.full(B, P + S - 1, dtype=np.int32)), block_table=xp.asarray(table),
-                      attention_metadata=np.array([1, P + S], dtype=np.int32))
         plain = cupa.PagedAttention(num_heads=H, kv_num_heads=Hk)
         calls = {"cupa": cupa.CascadeAttention(prefix_len=P, num_heads=H, kv_num_heads=Hk)}
         for mode in ("heads", "tokens"):
             calls[mode] = cupa.CascadeAttention(prefix_len=P, prefix_mode=mode, num_heads=H, kv_num_heads=Hk)
         calls["plain paged"] = plain
-        outputs = {label: xp.empty_like(inputs["query"]) for label in calls}
         with rt.stream_context():
+            rng = np.random.default_rng(ctx.seed)
+            nbp, nbs = math.ceil(P / bs), math.ceil(S / bs)
+            perm = rng.permutation(nbp + B * nbs).astype(np.int32)
+            shared, own = perm[:nbp], perm[nbp:].reshape(B, nbs)
+            shape = (nbp + B * nbs, bs, Hk, D)
+            normal = lambda s: xp.asarray(rng.standard_normal(s, dtype=np.float32).astype(np.float16))  # noqa: E731
+            table = np.full((B, 2 * (nbp + nbs)), -1, dtype=np.int32)     # sized for twice the longest sequence
+            table[:, :nbp + nbs] = np.concatenate([np.broadcast_to(shared, (B, nbp)), own], axis=1)
+            inputs = dict(query=normal((B, H * D)), key=normal((B, Hk * D)), value=normal((B, Hk * D)),
+                          key_cache=normal(shape), value_cache=normal(shape),
+                          cumulative_sequence_length=xp.asarray(np.arange(B + 1, dtype=np.int32)),
+                          past_seqlens=xp.asarray(np.full(B, P + S - 1, dtype=np.int32)), block_table=xp.asarray(table),
+                          attention_metadata=np.array([1, P + S], dtype=np.int32))
+            outputs = {label: xp.empty_like(inputs["query"]) for label in calls}
+            if rt.on_device:   # every host-to-device copy has landed before a call on the run's stream reads it
+                xp.cuda.Device().synchronize()
             for label, op in calls.items():
                 out = outputs[label]
                 try:

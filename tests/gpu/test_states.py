@@ -303,12 +303,78 @@ def test_cascade_auto_splits_on_the_benchmark_shape(cp, rng):
     dev = util.to_device(cp, inputs)
     op = cupa.CascadeAttention(prefix_len=8192, return_lse=True, **attrs)
     text = op.describe(**dev)
-    if cp.cuda.Device().attributes["MultiProcessorCount"] >= 128:
-        assert "in 8 run(s) of up to 1024 keys" in text, text
+    if cp.cuda.Device().attributes["MultiProcessorCount"] >= 128:   # half the SMs beside the suffix; all alone
+        assert "in 4 run(s) of up to 2048 keys" in text, text
+        assert "in 8 run(s) of up to 1024 keys" in cupa.CascadeAttention(prefix_len=8192, concurrent=False,
+                                                                         **attrs).describe(**dev)
         assert op.backends(**dev)[0] in ("prefill_wgmma", "prefill"), text
     out, lse = op(**dev)
     assert util.rel_err(cp.asnumpy(out), cp.asnumpy(plain_out)) < util.TOLERANCE["float16"]
     util.assert_lse_close(cp.asnumpy(lse), cp.asnumpy(plain_lse), tol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["heads", "tokens"])
+def test_cascade_concurrent_equals_serial_bit_for_bit(cp, rng, mode):
+    """The suffix on the side stream (concurrent) or after the prefix on the call's stream: the same kernels
+    over the same inputs, so the same bits -- output, lse and the caches; and a second concurrent step on
+    another stream (its own side stream) too."""
+    inputs, attrs = _shared_prefix(rng, B=24, prefix=1024, own=(0, 300), sink=True)
+    results = []
+    for concurrent, stream in ((False, None), (True, None), (True, cp.cuda.Stream(non_blocking=True))):
+        dev = util.to_device(cp, inputs)
+        op = cupa.CascadeAttention(prefix_len=1024, prefix_mode=mode, prefix_splits=1 if mode == "tokens" else 3,
+                                   concurrent=concurrent, return_lse=True, **attrs)
+        out, lse = op(**dev, stream=stream)
+        cp.cuda.Device().synchronize()
+        results.append([cp.asnumpy(x).view(np.uint8) for x in (out, lse, dev["key_cache"], dev["value_cache"])])
+    for got in results[1:]:
+        for name, a, b in zip(("output", "lse", "key_cache", "value_cache"), results[0], got):
+            assert np.array_equal(a, b), name
+
+
+def test_cascade_concurrent_under_torch_cuda_graph(cp, torch_cuda, rng):
+    """A concurrent cascade step on PyTorch's stream, captured by torch.cuda.graph inside capture_scope: the
+    side stream joins the capture through the fork event and the replay equals the eager step."""
+    from cupa import graphs
+
+    torch = torch_cuda
+    inputs, attrs = _shared_prefix(rng, B=16, prefix=1024, own=(0, 200), sink=True)
+    t = {k: (torch.from_numpy(v).cuda() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    md = np.array([1, 2048], np.int32)
+    op = cupa.CascadeAttention(prefix_len=1024, **attrs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = op(**t, attention_metadata=md).clone()      # warm-up: compiles every kernel
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    tg = torch.cuda.CUDAGraph()
+    with graphs.capture_scope(), torch.cuda.graph(tg, capture_error_mode="relaxed"):
+        o = op(**t, attention_metadata=md)
+    o.fill_(float("nan"))
+    tg.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o.view(torch.int16), eager.view(torch.int16))
+    want = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()},
+                                **util.host_attrs(attrs))
+    assert util.rel_err(o.float().cpu().numpy(), want) < util.TOLERANCE["float16"]
+
+
+@pytest.mark.parametrize("B", [64, 4])   # the prefix call on a tensor-core prefill kernel, and on decode
+def test_cascade_prefix_call_launches_no_prologue(cp, rng, B):
+    """The heads-form prefix call stores nothing (slot_mapping all -1) and its queries pass through: its plan
+    launches the attention kernel alone, and the step still equals the reference and the plain call."""
+    inputs, attrs = _shared_prefix(rng, B=B, prefix=2048, own=(0, 64))
+    _check_cascade(cp, inputs, attrs, 2048, prefix_mode="heads")
+    op = cupa.CascadeAttention(prefix_len=2048, prefix_mode="heads", **attrs)
+    op(**util.to_device(cp, inputs))
+    step = next(iter(op._steps.values()))
+    plans = [e[1] for e in step.prefix_op._problems.values() if e[1] is not None and "recipe" in e[1].state]
+    assert plans and all(not plan.writes for plan in plans)
+    for plan in plans:
+        steps = plan.state["recipe"].launches.steps
+        if plan.backend.name.startswith("prefill") or not plan.state["recipe"].split:
+            assert len(steps) == 1, (plan.backend.name, steps)
 
 
 def test_cascade_with_torch_tensors(cp, torch_cuda, rng):
