@@ -47,9 +47,9 @@ HEADS_MAX_ROWS = 4096
 #: most key splits of a heads-form prefix (the merge takes the splits and the suffix as at most 16 states)
 MAX_PREFIX_SPLITS = 15
 #: ``prefix_splits="auto"``: fewest shared keys a split holds. Each split adds a copy of the queries and
-#: a state to merge; on an H200 (benchmarks/profile_cascade.py --sweep, each step captured and replayed),
-#: B=32 decode tokens over a 4096-key prefix with 4096 keys of their own took 172 us with 8 splits of 512
-#: keys and 184 with 4 of 1024.
+#: a state to merge; on an H200 (benchmarks/results/cascade_h200.json: profile_cascade.py --sweep, each
+#: step captured and replayed), B=32 decode tokens over a 4096-key prefix with 4096 keys of their own took
+#: 162 us with 8 splits of 512 keys and 179 with 4 of 1024 (concurrent).
 MIN_SPLIT_KEYS = 512
 #: ``prefix_splits="auto"``: (token, group head) rows of one tensor-core prefill row tile
 TILE_ROWS = 128
@@ -63,10 +63,10 @@ def prefix_splits_for(token_count: int, num_heads: int, kv_num_heads: int, prefi
     (which takes the other half) -- each split keeping at least MIN_SPLIT_KEYS keys (whole blocks); at
     most MAX_PREFIX_SPLITS, at least 1.
 
-    On an H200 (GQA 32/8, D=128, fp16, block 16; each step captured and replayed), B=64 decode tokens
-    over an 8192-key prefix with 256 keys of their own: serial, 141 us with 1 split, 90 with 4, 80 with 8
-    (one row tile per SM), 96 with 15; concurrent, 68 us with 4 (64 row tiles: half the SMs), 69 with 5,
-    83 with 8."""
+    On an H200 (benchmarks/results/cascade_h200.json; GQA 32/8, D=128, fp16, block 16; each step
+    captured and replayed), B=64 decode tokens over an 8192-key prefix with 256 keys of their own: serial,
+    93 us with 4 splits and 83 with 8 (one row tile per SM); concurrent, 64 us with 4 (64 row tiles: half
+    the SMs)."""
     rows = token_count * (num_heads // kv_num_heads)
     tiles = kv_num_heads * -(-rows // TILE_ROWS)
     blocks = prefix_len // block_size

@@ -108,8 +108,8 @@ _STUB_BACKEND = object()
 def check(request, monkeypatch):
     """``check(attrs, infos, metadata=None, **more_attrs) -> Problem`` through one of the two paths."""
 
-    def no_backend(problem, inputs, options):   # validation passed: stand in for any backend
-        return dispatch.Plan(problem, _STUB_BACKEND, None, options)
+    def no_backend(problem, inputs, options, writes=True):   # validation passed: stand in for any backend
+        return dispatch.Plan(problem, _STUB_BACKEND, None, options, writes=writes)
 
     monkeypatch.setattr(dispatch, "make_plan", no_backend)
 
@@ -1028,8 +1028,8 @@ def test_output_qk_size_uses_metadata_bound(check):
 # the memo in PagedAttention never hides a violation
 
 def test_memoized_plan_still_validates(monkeypatch):
-    monkeypatch.setattr(dispatch, "make_plan", lambda problem, inputs, options: dispatch.Plan(problem, _STUB_BACKEND,
-                                                                                           None, options))
+    monkeypatch.setattr(dispatch, "make_plan", lambda problem, inputs, options, writes=True: dispatch.Plan(
+        problem, _STUB_BACKEND, None, options, writes=writes))
     op, arrs = _op_and_arrays()
     p1 = op.plan(**arrs).problem
     assert op.plan(**arrs).problem is p1                    # same shapes: the memoized Problem
