@@ -186,7 +186,6 @@ class DecodeBackend(CudaBackend):
         head_chunks = math.ceil(p.group_size / heads)
         r = _Recipe()
         counters_per_token = p.kv_num_heads * head_chunks if num_splits > 1 else 0
-        prologue = prologue_launcher(p, device, options, counters_per_token)
         passthrough = q_passthrough(p)  # the decode kernel reads `query` itself: no Q workspace
         q_bytes = 0 if passthrough else p.token_count * p.num_heads * p.head_size * call.dev["query"].dtype.itemsize
         r.nbytes = launch.align(q_bytes)
@@ -218,6 +217,7 @@ class DecodeBackend(CudaBackend):
         if passthrough and not r.split and not plan.writes:
             steps = [(decode, decode_pointers)]
         else:
+            prologue = prologue_launcher(p, device, options, counters_per_token)
             steps = [(prologue, _PROLOGUE_POINTERS), (decode, decode_pointers, True)]
         r.launches = launch.Sequence(steps, _NPOINTERS, route=options.launch, pdl=launch.pdl_allowed(device, options))
         return r
