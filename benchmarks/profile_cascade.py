@@ -149,7 +149,8 @@ def main(argv=None) -> int:
         with stream:
             d = cascade_mod._derive_device(step, full, P, stream, kernels)
         row["prefix_us"] = graph_us(lambda op=op, step=step, d=d: op._prefix(step, full, d, cp, stream))
-        row["suffix_us"] = graph_us(lambda op=op, step=step, d=d: op._suffix_call(step, full, d, stream))
+        row["suffix_us"] = graph_us(lambda op=op, step=step, d=d: op._suffix_call(step, full, d, stream,
+                                                                                 op._suffix_beside))
         row["splits"] = step.prefix_rows
         label = f"cascade prefix_splits={s}" + ("" if ctas is None else f" decode_ctas_per_sm={ctas}")
         result["rows"][label] = row

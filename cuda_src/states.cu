@@ -29,8 +29,11 @@
 // consecutive runs of prefix_cols blocks, one a row, -1 past the last (the heads form's key splits);
 // and, for the heads form, its stacked queries: query rows (N, Hk, G, D) of a row stride of q_row
 // 16-byte units copied KV-head major, (S, Hk, N, G, D), one 16-byte unit per element (stack_units: the
-// units of one copy, S copies; 0 where the host stacks them). `parts` selects what a launch writes
-// (the prefix call's inputs, the rest, or both), so that the two can run on two streams.
+// units of one copy, S copies; 0 where the host stacks them); and, where their pointers are given, the
+// prefix call's own inputs: its cumulative_sequence_length and past_seqlens (heads form: one token a
+// split, past the split's keys less one; tokens form: runs of prefix_len tokens, past prefix_len less
+// the run's), its slot_mapping (all -1: it stores nothing) and its zero key/value rows (the heads form),
+// so that a step needs no constant uploaded from the host.
 // Host values that size the launch: the element counts.
 #include "common.cuh"
 #include "paged.cuh"
@@ -165,10 +168,6 @@ __global__ void __launch_bounds__(MERGE_WARPS * 32, 3) merge_states(
   if (out_lse && lane == 0) out_lse[row] = state_lse(M, L);
 }
 
-// The parts of cascade_inputs' work a launch does (a bit mask; cupa/kernels/states.py mirrors them).
-constexpr int CASCADE_PREFIX_PART = 1;  // the stacked queries and the prefix call's block table
-constexpr int CASCADE_REST = 2;         // the tokens' positions, the suffix call's past, positions and table
-
 __global__ void cascade_inputs(const int* __restrict__ cum, const int* __restrict__ past,
                                const int* __restrict__ block_table, const int* __restrict__ query_positions,
                                int token_count, int batch_size, int max_blocks, long long kv_capacity,
@@ -178,13 +177,14 @@ __global__ void cascade_inputs(const int* __restrict__ cum, const int* __restric
                                int* __restrict__ suffix_positions, int* __restrict__ suffix_table,
                                int* __restrict__ prefix_table, const uint4* __restrict__ query,
                                long long q_row, int group, int head_units, long long stack_units,
-                               uint4* __restrict__ stacked, int parts) {
+                               uint4* __restrict__ stacked, int* __restrict__ prefix_cum,
+                               int* __restrict__ prefix_past, int* __restrict__ prefix_slots, int n_slots,
+                               int block_size, unsigned short* __restrict__ prefix_kv, long long n_kv) {
   const int suffix_cols = max_blocks - prefix_blocks;
-  const bool prefix_part = parts & CASCADE_PREFIX_PART, rest = parts & CASCADE_REST;
-  const long long n_tokens = rest ? token_count : 0, n_seqs = rest ? batch_size : 0;
-  const long long n_suffix = n_seqs * suffix_cols, n_prefix = prefix_part ? (long long)prefix_rows * prefix_cols : 0;
+  const long long n_tokens = token_count, n_seqs = batch_size;
+  const long long n_suffix = n_seqs * suffix_cols, n_prefix = (long long)prefix_rows * prefix_cols;
   // The stacked copies first, in 32-bit index arithmetic (the host keeps their units below 2^31).
-  const unsigned n_stack = prefix_part ? (unsigned)(stack_units * prefix_rows) : 0u;
+  const unsigned n_stack = (unsigned)(stack_units * prefix_rows);
   const unsigned copy_units = (unsigned)stack_units;
   const unsigned units = (unsigned)head_units, heads = (unsigned)group, tokens = (unsigned)token_count;
   for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n_stack; i += gridDim.x * blockDim.x) {
@@ -196,7 +196,9 @@ __global__ void cascade_inputs(const int* __restrict__ cum, const int* __restric
     const unsigned t = r % tokens, kv = r / tokens;
     stacked[i] = __ldg(query + t * q_row + (kv * heads + g) * units + c);
   }
-  const long long total = n_tokens + n_seqs + n_suffix + n_prefix;
+  const long long n_cum = prefix_cum ? prefix_rows + 1 : 0, n_past = prefix_past ? prefix_rows : 0;
+  const long long n_slot = prefix_slots ? n_slots : 0, n_zero = prefix_kv ? n_kv : 0;
+  const long long total = n_tokens + n_seqs + n_suffix + n_prefix + n_cum + n_past + n_slot + n_zero;
   for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
        e += (long long)gridDim.x * blockDim.x) {
     long long i = e;
@@ -223,7 +225,29 @@ __global__ void cascade_inputs(const int* __restrict__ cum, const int* __restric
       continue;
     }
     i -= n_suffix;
-    const long long col = prefix_split ? i : i % prefix_blocks;  // entry i is row i / prefix_cols
-    prefix_table[i] = batch_size > 0 && col < prefix_blocks ? __ldg(block_table + col) : -1;
+    if (i < n_prefix) {
+      const long long col = prefix_split ? i : i % prefix_blocks;  // entry i is row i / prefix_cols
+      prefix_table[i] = batch_size > 0 && col < prefix_blocks ? __ldg(block_table + col) : -1;
+      continue;
+    }
+    i -= n_prefix;
+    if (i < n_cum) {  // row i's first token: the heads form's split i; the tokens form's run i
+      prefix_cum[i] = prefix_split ? (int)i : (int)min(i * prefix_len, (long long)token_count);
+      continue;
+    }
+    i -= n_cum;
+    if (i < n_past) {
+      const long long n = token_count;
+      const long long run = min((i + 1) * prefix_len, n) - min(i * prefix_len, n);  // the tokens form's run i
+      const long long keys = min((long long)prefix_blocks - i * prefix_cols, (long long)prefix_cols) * block_size;
+      prefix_past[i] = prefix_split ? (int)keys - 1 : prefix_len - (int)run;
+      continue;
+    }
+    i -= n_past;
+    if (i < n_slot) {
+      prefix_slots[i] = -1;
+      continue;
+    }
+    prefix_kv[i - n_slot] = 0;
   }
 }

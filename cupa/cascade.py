@@ -17,15 +17,17 @@ once per sequence. :class:`CascadeAttention` reads them once for all the sequenc
 
 Every step runs on the inputs' device and stream without a host synchronization -- the suffix by
 default on a side stream forked from it and joined back by events (``concurrent``), which a capture of
-the inputs' stream takes in -- and a step can be captured into a CUDA graph after one eager call (which
-compiles the kernels and uploads the few constant index arrays of the prefix call).
+the inputs' stream takes in -- and a step can be captured into a CUDA graph once its kernels are compiled
+(one eager call, as ``cupa.capture_graph``'s warm-up makes). A step uploads nothing from the host: one
+launch derives every index array of the prefix and suffix calls, the prefix call's constant ones
+included, so a graph keeps every buffer it uses and outlives the op that recorded it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -112,7 +114,8 @@ class CascadeAttention:
     num_heads, kv_num_heads, **attributes
         The attributes of :class:`cupa.PagedAttention` (``return_lse`` included; not ``qk_output``).
     options : cupa.Options, optional
-        Passed to the prefix and suffix calls.
+        Passed to the prefix and suffix calls (beside the prefix call, the suffix call launches its
+        attention kernel plainly, whatever ``programmatic_launch`` says).
 
     Examples
     --------
@@ -150,6 +153,11 @@ class CascadeAttention:
         self.options = self._plain.options
         self._parts = {k: v for k, v in a.as_dict().items() if k not in ("return_lse", "qk_output")}
         self._suffix = PagedAttention(**self._parts, return_lse=True, options=self.options)
+        # Beside the prefix call, the suffix call's attention kernel is not launched programmatically: a
+        # programmatic launch makes its CTAs resident while the prologue runs, holding SM slots the prefix
+        # call's CTAs could fill (benchmarks/results/cascade_h200.json, "suffix launch").
+        self._suffix_beside = (self._suffix if not self.options.programmatic_launch else PagedAttention(
+            **self._parts, return_lse=True, options=replace(self.options, programmatic_launch=False)))
         self._steps = {}   # (problem, CUDA ordinal or None) -> _Step
 
     def __repr__(self) -> str:
@@ -208,7 +216,7 @@ class CascadeAttention:
         op._writes = False   # its slot_mapping is all -1: no launch that would only store rows (dispatch.Plan.writes)
         return _Step(problem=p, mode=mode, prefix_blocks=prefix_blocks, prefix_rows=prefix_rows, prefix_cols=prefix_cols,
                      prefix_op=op, prefix_cum=cum, prefix_past=past, prefix_metadata=metadata,
-                     prefix_slots=np.full(slots, -1, np.int32), suffix_metadata=_shifted_metadata(p, P), constants={})
+                     prefix_slots=np.full(slots, -1, np.int32), suffix_metadata=_shifted_metadata(p, P))
 
     def describe(self, *args, **kwargs) -> str:
         """How a call with these inputs is run: the prefix form and sizes, the backends of the prefix and
@@ -301,7 +309,7 @@ class CascadeAttention:
         out_view = arrays.host_out(out, query, p.output_shape, arrays.numpy_dtype(p.dtype))
         d = _derive_host(step, x, self.prefix_len)
         o_pre, lse_pre = self._prefix(step, x, d, np)
-        o_suf, lse_suf = self._suffix_call(step, x, d, None)
+        o_suf, lse_suf = self._suffix_call(step, x, d, None, self._suffix)
         N, H, Hk, Dv = p.token_count, p.num_heads, p.kv_num_heads, p.v_head_size
         if step.mode == "heads":   # (splits, KV head, token, group head) rows -> (splits, token, head)
             S, G = step.prefix_rows, p.group_size
@@ -336,26 +344,19 @@ class CascadeAttention:
                 out_view = arrays.empty_output(p.output_shape, p.dtype, query, device)
             lse_view = (arrays.empty_output(p.lse_shape, "float32", query, device)
                         if self.attributes.return_lse else None)
+            d = _derive_device(step, x, self.prefix_len, stream, kernels)
             if self.concurrent:   # the suffix on a side stream, forked from the inputs' stream, joined here
                 side, fork, join = _side_stream(device, stream)
-                # the heads form's prefix reads no index array the suffix call needs: two index launches,
-                # one after the fork on each stream; the tokens form's prefix reads the positions: one before
-                split = step.mode == "heads"
-                if not split:
-                    d = _derive_device(step, x, self.prefix_len, stream, kernels)
                 fork.record(stream)
                 side.wait_event(fork)
-                if split:
-                    d = _derive_device(step, x, self.prefix_len, stream, kernels, side=side)
                 o_pre, lse_pre = self._prefix(step, x, d, cupy, stream)
                 with side:
-                    o_suf, lse_suf = self._suffix_call(step, x, d, side)
+                    o_suf, lse_suf = self._suffix_call(step, x, d, side, self._suffix_beside)
                 join.record(side)
                 stream.wait_event(join)
             else:
-                d = _derive_device(step, x, self.prefix_len, stream, kernels)
                 o_pre, lse_pre = self._prefix(step, x, d, cupy, stream)
-                o_suf, lse_suf = self._suffix_call(step, x, d, stream)
+                o_suf, lse_suf = self._suffix_call(step, x, d, stream, self._suffix)
             _capture.keep_alive(out_view, lse_view)
         if step.mode == "heads":   # the prefix call's rows stay KV-head major: the merge reads them so
             S = step.prefix_rows
@@ -393,11 +394,11 @@ class CascadeAttention:
         _capture.keep_alive(stacked, o_stacked, lse_stacked)   # a captured graph writes them at every replay
         return o_stacked, lse_stacked
 
-    def _suffix_call(self, step: "_Step", x: dict, d: dict, stream) -> tuple:
+    def _suffix_call(self, step: "_Step", x: dict, d: dict, stream, op: PagedAttention) -> tuple:
         """The suffix state: the plain call on positions >= prefix_len, shifted down by prefix_len."""
         P = self.prefix_len
         cos, sin = x["cos_cache"], x["sin_cache"]
-        return self._suffix(
+        return op(
             x["query"], x["key"], x["value"], x["key_cache"], x["value_cache"], x["cumulative_sequence_length"],
             d["suffix_past"], d["suffix_table"], None if cos is None else cos[P:], None if sin is None else sin[P:],
             x["slot_mapping"], None, x["q_norm_weight"], x["k_norm_weight"], x["k_scale"], x["v_scale"],
@@ -445,7 +446,6 @@ class _Step:
     prefix_metadata: np.ndarray
     prefix_slots: np.ndarray  # all -1: the prefix call writes nothing
     suffix_metadata: Optional[np.ndarray]
-    constants: dict          # device ordinal -> the prefix call's constant inputs on that device
 
 
 def _shifted_metadata(p: Problem, P: int) -> Optional[np.ndarray]:
@@ -510,22 +510,18 @@ def _derive_host(step: _Step, x: dict, P: int) -> dict:
                 constants=_host_constants(step))
 
 
-def _derive_device(step: _Step, x: dict, P: int, stream, kernels, side=None) -> dict:
-    """The index arrays of one cascade call on the device: one ``cascade_inputs`` launch on ``stream``, or
-    with a ``side`` stream (the heads form, concurrent) two: the prefix call's inputs on ``stream``, the
-    rest -- the positions the merge reads after the join, the suffix call's inputs -- on ``side``."""
+def _derive_device(step: _Step, x: dict, P: int, stream, kernels) -> dict:
+    """The index arrays of one cascade call on the device, and the prefix call's constant inputs (no host
+    upload: a step captured first, or by an op built inside the captured step, needs none), in one
+    ``cascade_inputs`` launch on ``stream``."""
     import cupy
 
     p = step.problem
-    device = x["query"].data.device_id
-    constants = step.constants.get(device)
-    if constants is None:   # uploaded once per device (an eager call before any capture)
-        constants = {k: (None if v is None else cupy.asarray(v)) for k, v in _host_constants(step).items()}
-        step.constants[device] = constants
-    N, B, Pb = p.token_count, p.batch_size, step.prefix_blocks
+    N, B, Pb, S = p.token_count, p.batch_size, step.prefix_blocks, step.prefix_rows
     qp = x["query_positions"]
     sizes = dict(prefix_positions=(N,), suffix_past=(B,), suffix_positions=(N,) if qp is not None else None,
-                 suffix_table=(B, p.max_blocks_per_seq - Pb), prefix_table=(step.prefix_rows, step.prefix_cols))
+                 suffix_table=(B, p.max_blocks_per_seq - Pb), prefix_table=(S, step.prefix_cols),
+                 prefix_cum=(S + 1,), prefix_past=(S,), prefix_slots=(len(step.prefix_slots),))
     total = sum(int(np.prod(s)) for s in sizes.values() if s is not None)
     buffer = cupy.empty(max(total, 1), dtype=np.int32)
     _capture.keep_alive(buffer)
@@ -537,21 +533,25 @@ def _derive_device(step: _Step, x: dict, P: int, stream, kernels, side=None) -> 
         n = int(np.prod(shape))
         d[name] = buffer[at:at + n].reshape(shape)
         at += n
+    key = value = zero_kv = None
+    if step.mode == "heads":   # the prefix call's key / value rows: zeros (it stores nothing)
+        width = p.head_size if p.latent else p.kv_num_heads * p.head_size
+        zero_kv = cupy.empty((1 if p.latent else 2, S, width), dtype=x["query"].dtype)
+        _capture.keep_alive(zero_kv)
+        key, value = zero_kv[0], (None if p.latent else zero_kv[1])
     # the heads form's stacked queries, copied by the same launch where the query rows allow it
     stacked = None
-    if step.mode == "heads" and kernels.stack_units(x["query"], p.head_size, N * p.num_heads,
-                                                    step.prefix_rows) is not None:
-        stacked = cupy.empty((step.prefix_rows, N * p.num_heads * p.head_size), dtype=x["query"].dtype)
+    if step.mode == "heads" and kernels.stack_units(x["query"], p.head_size, N * p.num_heads, S) is not None:
+        stacked = cupy.empty((S, N * p.num_heads * p.head_size), dtype=x["query"].dtype)
         _capture.keep_alive(stacked)
-    launches = [(stream, kernels.CASCADE_ALL)] if side is None else [(stream, kernels.CASCADE_PREFIX_PART),
-                                                                     (side, kernels.CASCADE_REST)]
-    for on, parts in launches:
-        kernels.cascade_inputs(x["cumulative_sequence_length"], x["past_seqlens"], x["block_table"], qp,
-                               kv_capacity=p.static_kv_capacity, rotary_max_pos=p.rotary_max_pos, prefix_len=P,
-                               prefix_blocks=Pb, prefix_rows=step.prefix_rows, prefix_cols=step.prefix_cols,
-                               prefix_split=step.mode == "heads", stream=on, query=x["query"],
-                               kv_num_heads=p.kv_num_heads, group=p.group_size, head_size=p.head_size,
-                               stacked=stacked, parts=parts, **d)
+    kernels.cascade_inputs(x["cumulative_sequence_length"], x["past_seqlens"], x["block_table"], qp,
+                           kv_capacity=p.static_kv_capacity, rotary_max_pos=p.rotary_max_pos, prefix_len=P,
+                           prefix_blocks=Pb, prefix_rows=S, prefix_cols=step.prefix_cols,
+                           prefix_split=step.mode == "heads", stream=stream, query=x["query"],
+                           kv_num_heads=p.kv_num_heads, group=p.group_size, head_size=p.head_size, stacked=stacked,
+                           prefix_kv=zero_kv, block_size=p.block_size, **d)
+    constants = dict(cum=d.pop("prefix_cum"), past=d.pop("prefix_past"), slots=d.pop("prefix_slots"), key=key,
+                     value=value)
     d["constants"], d["stacked"] = constants, stacked
     return d
 

@@ -22,10 +22,6 @@ MERGE_INPUTS = np.dtype([("out", np.uint64, (MERGE_LISTED,)), ("lse", np.uint64,
                          ("group", np.int32), ("tokens", np.int64), ("valid", np.uint64)])
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
 CASCADE_THREADS = 256
-#: what a cascade_inputs launch writes (mirrors states.cu): the prefix call's inputs (stacked queries,
-#: prefix block table), the rest (positions, the suffix call's past, positions and block table), or both
-CASCADE_PREFIX_PART, CASCADE_REST = 1, 2
-CASCADE_ALL = CASCADE_PREFIX_PART | CASCADE_REST
 
 
 def sink_types(dtype: str) -> tuple:
@@ -120,7 +116,7 @@ def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int,
                    prefix_len: int, prefix_blocks: int, prefix_rows: int, prefix_cols: int, prefix_split: bool,
                    prefix_positions, suffix_past, suffix_positions, suffix_table, prefix_table, stream,
                    query=None, kv_num_heads: int = 0, group: int = 0, head_size: int = 0, stacked=None,
-                   parts: int = CASCADE_ALL) -> None:
+                   prefix_cum=None, prefix_past=None, prefix_slots=None, prefix_kv=None, block_size: int = 0) -> None:
     """Launch ``cascade_inputs`` on ``stream``: fills ``prefix_positions`` (N,), ``suffix_past`` (B,),
     ``suffix_positions`` (N,; only with ``query_positions``), ``suffix_table`` (B, max_blocks -
     prefix_blocks) and ``prefix_table`` (prefix_rows, prefix_cols), all int32 CuPy arrays. The prefix
@@ -132,8 +128,11 @@ def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int,
     ``query``'s first kv_num_heads * group heads, KV-head major (KV head, token, group head); ``query``
     must pass :func:`stack_units`.
 
-    ``parts``: :data:`CASCADE_PREFIX_PART` writes the stacked queries and ``prefix_table`` only,
-    :data:`CASCADE_REST` the other arrays only, :data:`CASCADE_ALL` (default) everything."""
+    The prefix call's own inputs, each written where given: ``prefix_cum`` (prefix_rows + 1,) and
+    ``prefix_past`` (prefix_rows,) -- with ``prefix_split`` one token a split whose past is its keys
+    (``block_size`` a block) less one, else runs of ``prefix_len`` tokens whose past is prefix_len less
+    the run's tokens -- ``prefix_slots`` (all -1), int32; ``prefix_kv`` (any C-contiguous array of a
+    16-bit or 32-bit dtype): zeros."""
     cupy = _cupy()
     N, B, max_blocks = prefix_positions.shape[0], past.shape[0], block_table.shape[1]
     units, q_row, copy = 0, 0, 0
@@ -142,9 +141,12 @@ def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int,
         assert units is not None and stacked.flags.c_contiguous and stacked.data.ptr % 16 == 0
         q_row, copy = query.strides[0] // 16, kv_num_heads * N * group * units
         assert stacked.nbytes == copy * prefix_rows * 16
-    assert parts in (CASCADE_PREFIX_PART, CASCADE_REST, CASCADE_ALL)
-    total = ((copy * prefix_rows + prefix_rows * prefix_cols if parts & CASCADE_PREFIX_PART else 0)
-             + (N + B + B * (max_blocks - prefix_blocks) if parts & CASCADE_REST else 0))
+    n_slots = 0 if prefix_slots is None else prefix_slots.size
+    n_kv = 0 if prefix_kv is None else prefix_kv.nbytes // 2
+    assert prefix_kv is None or prefix_kv.flags.c_contiguous
+    total = (copy * prefix_rows + N + B + B * (max_blocks - prefix_blocks) + prefix_rows * prefix_cols
+             + (0 if prefix_cum is None else prefix_rows + 1) + (0 if prefix_past is None else prefix_rows)
+             + n_slots + n_kv)
     if total == 0:
         return
     blocks = min(-(-total // CASCADE_THREADS), 1024)
@@ -156,4 +158,5 @@ def cascade_inputs(cum, past, block_table, query_positions, *, kv_capacity: int,
                 np.int32(prefix_rows), np.int32(prefix_cols), np.int32(int(prefix_split)), prefix_positions,
                 suffix_past, types.ptr(suffix_positions), suffix_table, prefix_table, types.ptr(query),
                 np.int64(q_row), np.int32(group), np.int32(units), np.int64(copy), types.ptr(stacked),
-                np.int32(parts)))
+                types.ptr(prefix_cum), types.ptr(prefix_past), types.ptr(prefix_slots), np.int32(n_slots),
+                np.int32(block_size), types.ptr(prefix_kv), np.int64(n_kv)))

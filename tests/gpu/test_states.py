@@ -10,6 +10,7 @@ import pytest
 
 import cupa
 from cupa import dispatch, states
+from cupa.kernels import launch
 from tests import util
 from tests.util import T_DTYPES, assert_within_ulp, rel_err, shard_block_tables, ulp
 
@@ -287,6 +288,28 @@ def test_cascade_inputs_stacks_the_heads_form_queries(cp, rng, dtype, D, width_e
     assert np.array_equal(cp.asnumpy(stacked).view(np.uint8), cp.asnumpy(want).view(np.uint8))
 
 
+@pytest.mark.parametrize("mode, B, prefix", [("heads", 16, 1024), ("heads", 64, 8192), ("tokens", 16, 1024),
+                                            ("tokens", 40, 16)])
+def test_cascade_inputs_writes_the_prefix_calls_constants(cp, rng, mode, B, prefix):
+    """The prefix call's cumulative_sequence_length, past_seqlens, slot_mapping and zero key/value rows come
+    from the index launch: equal to the host's (_host_constants)."""
+    from cupa import cascade as cascade_mod
+    from cupa.kernels import states as kernels
+
+    inputs, attrs = _shared_prefix(rng, B=B, prefix=prefix, own=(0, 40))
+    dev = util.to_device(cp, inputs)
+    op = cupa.CascadeAttention(prefix_len=prefix, prefix_mode=mode, **attrs)
+    step = op._step(op._plain.plan(**dev).problem, 0)
+    x = dict(dev, query_positions=None)
+    d = cascade_mod._derive_device(step, x, prefix, cp.cuda.get_current_stream(), kernels)
+    want = cascade_mod._host_constants(step)
+    for name, value in d["constants"].items():
+        if want[name] is None:
+            assert value is None, name
+        else:
+            assert np.array_equal(cp.asnumpy(value), want[name]), name
+
+
 def test_cascade_heads_form_with_packed_queries(cp, rng):
     """The heads form from packed QKV rows (wider than the query heads; copied by cascade_inputs): equal
     to the reference and the plain call."""
@@ -375,6 +398,76 @@ def test_cascade_prefix_call_launches_no_prologue(cp, rng, B):
         steps = plan.state["recipe"].launches.steps
         if plan.backend.name.startswith("prefill") or not plan.state["recipe"].split:
             assert len(steps) == 1, (plan.backend.name, steps)
+
+
+def test_cascade_suffix_beside_the_prefix_launches_plainly(cp, rng):
+    """Concurrent, the suffix call's plans launch its attention kernel without programmatic dependent launch
+    (its CTAs would wait resident while the prefix call needs the SMs); serial, with it where the device
+    has it. Both give the plain call's results."""
+    inputs, attrs = _shared_prefix(rng, B=16, prefix=1024, own=(0, 200), sink=True)
+    for concurrent in (True, False):
+        _check_cascade(cp, inputs, attrs, 1024, concurrent=concurrent)
+        op = cupa.CascadeAttention(prefix_len=1024, concurrent=concurrent, **attrs)
+        op(**util.to_device(cp, inputs))
+        used = op._suffix_beside if concurrent else op._suffix
+        plans = [e[1] for e in used._problems.values() if e[1] is not None and "recipe" in e[1].state]
+        assert plans
+        for plan in plans:
+            sequence = plan.state["recipe"].launches
+            assert any(sequence.programmatic), plan.backend.name   # a prologue, then the attention kernel
+            assert sequence.pdl == (not concurrent and launch.pdl_allowed(plan.device, plan.options))
+
+
+def test_cascade_graph_outlives_its_op(cp, rng):
+    """A captured cascade step replays correctly after its op is gone and its memory reused: the graph keeps
+    the prefix call's constant index arrays too."""
+    import gc
+    import weakref
+
+    inputs, attrs = _shared_prefix(rng, B=16, prefix=1024, own=(0, 200), sink=True)
+    md = np.array([1, 2048], np.int32)
+    dev = util.to_device(cp, inputs)
+    out = cp.empty((16, 32 * 128), np.float16)
+    op = cupa.CascadeAttention(prefix_len=1024, prefix_mode="heads", prefix_splits=3, **attrs)
+    op(**dev, attention_metadata=md, out=out)
+    eager = cp.asnumpy(out)
+    g = cupa.capture_graph(lambda op=op: op(**dev, attention_metadata=md, out=out), warmup=0)
+    gone = weakref.ref(op)
+    del op
+    gc.collect()
+    assert gone() is None
+    junk = [cp.full(n, -7, np.int32) for n in (4, 5, 16, 1536, 4096, 1 << 16) for _ in range(8)]   # freed blocks
+    with g:
+        out.fill(np.nan)
+        g.replay()
+        g.stream.synchronize()
+    assert np.array_equal(cp.asnumpy(out).view(np.uint16), eager.view(np.uint16))
+    del junk
+
+
+@pytest.mark.parametrize("mode", ["heads", "tokens"])
+def test_cascade_attention_function_is_capturable(cp, rng, mode):
+    """cupa.cascade_attention (a new op each call) inside a captured step: the capture copies the prefix
+    call's constants from pinned memory it keeps, and the replay equals the eager call."""
+    inputs, attrs = _shared_prefix(rng, B=16, prefix=1024, own=(0, 200), sink=True)
+    md = np.array([1, 2048], np.int32)
+    dev = util.to_device(cp, inputs)
+    out = cp.empty((16, 32 * 128), np.float16)
+
+    def step():
+        cupa.cascade_attention(**dev, attention_metadata=md, out=out, prefix_len=1024, prefix_mode=mode, **attrs)
+
+    step()
+    eager = cp.asnumpy(out)
+    with cupa.capture_graph(step) as g:
+        for _ in range(2):
+            out.fill(np.nan)
+            g.replay()
+            g.stream.synchronize()
+            assert np.array_equal(cp.asnumpy(out).view(np.uint16), eager.view(np.uint16))
+    want = cupa.paged_attention(**{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()},
+                                **util.host_attrs(attrs))
+    assert util.rel_err(eager, want) < util.TOLERANCE["float16"]
 
 
 def test_cascade_with_torch_tensors(cp, torch_cuda, rng):
