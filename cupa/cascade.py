@@ -49,7 +49,7 @@ HEADS_MAX_ROWS = 4096
 #: most key splits of a heads-form prefix (the merge takes the splits and the suffix as at most 16 states)
 MAX_PREFIX_SPLITS = 15
 #: ``prefix_splits="auto"``: fewest shared keys a split holds. Each split adds a copy of the queries and
-#: a state to merge; on an H200 (benchmarks/results/cascade_h200.json: profile_cascade.py --sweep, each
+#: a state to merge; on an H200 (benchmarks/results/cascade_h200.json, "sweep_splits_6e4d322": each
 #: step captured and replayed), B=32 decode tokens over a 4096-key prefix with 4096 keys of their own took
 #: 162 us with 8 splits of 512 keys and 179 with 4 of 1024 (concurrent).
 MIN_SPLIT_KEYS = 512
@@ -65,8 +65,8 @@ def prefix_splits_for(token_count: int, num_heads: int, kv_num_heads: int, prefi
     (which takes the other half) -- each split keeping at least MIN_SPLIT_KEYS keys (whole blocks); at
     most MAX_PREFIX_SPLITS, at least 1.
 
-    On an H200 (benchmarks/results/cascade_h200.json; GQA 32/8, D=128, fp16, block 16; each step
-    captured and replayed), B=64 decode tokens over an 8192-key prefix with 256 keys of their own: serial,
+    On an H200 (benchmarks/results/cascade_h200.json, "sweep_splits_6e4d322"; GQA 32/8, D=128, fp16,
+    block 16; each step captured and replayed), B=64 decode tokens over an 8192-key prefix with 256 keys of their own: serial,
     93 us with 4 splits and 83 with 8 (one row tile per SM); concurrent, 64 us with 4 (64 row tiles: half
     the SMs)."""
     rows = token_count * (num_heads // kv_num_heads)
@@ -155,7 +155,7 @@ class CascadeAttention:
         self._suffix = PagedAttention(**self._parts, return_lse=True, options=self.options)
         # Beside the prefix call, the suffix call's attention kernel is not launched programmatically: a
         # programmatic launch makes its CTAs resident while the prologue runs, holding SM slots the prefix
-        # call's CTAs could fill (benchmarks/results/cascade_h200.json, "suffix launch").
+        # call's CTAs could fill (benchmarks/results/cascade_h200.json, "suffix_launch_ab").
         self._suffix_beside = (self._suffix if not self.options.programmatic_launch else PagedAttention(
             **self._parts, return_lse=True, options=replace(self.options, programmatic_launch=False)))
         self._steps = {}   # (problem, CUDA ordinal or None) -> _Step
