@@ -577,7 +577,9 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
     // tile that is not interior to the warp's rows clamped to finite values here: P = 0 never meets Inf
     // or NaN.)
     if constexpr (CLAMP_V) {
-      if (!interior) {  // the same products, each V fragment clamped first
+      // The products of the loop below, each V fragment clamped first (a separate loop, so that the
+      // default instance compiles to the same code with or without this one).
+      if (!interior) {
 #pragma unroll
         for (int j2 = 0; j2 < KEYS / 16; ++j2) {
           unsigned a[MT][4];
