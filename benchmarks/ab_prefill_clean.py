@@ -57,7 +57,8 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             order = list(ops) if r % 2 == 0 else list(ops)[::-1]
             for name in order:
-                rows[name].append(timer.time_us(lambda n=name: ops[n](**inputs, out=outs[n]), reps=args.reps)["median_us"])
+                timed = timer.time_us(lambda n=name: ops[n](**inputs, out=outs[n]), reps=args.reps)
+                rows[name].append(timed["median_us"])
             a, b = (cp.asnumpy(outs[n]).view(np.uint16) for n in ops)
             same = same and bool(np.array_equal(a, b))
         base = float(np.median(rows["shared-memory clean"]))

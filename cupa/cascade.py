@@ -66,9 +66,9 @@ def prefix_splits_for(token_count: int, num_heads: int, kv_num_heads: int, prefi
     most MAX_PREFIX_SPLITS, at least 1.
 
     On an H200 (benchmarks/results/cascade_h200.json, "sweep_splits_6e4d322"; GQA 32/8, D=128, fp16,
-    block 16; each step captured and replayed), B=64 decode tokens over an 8192-key prefix with 256 keys of their own: serial,
-    93 us with 4 splits and 83 with 8 (one row tile per SM); concurrent, 64 us with 4 (64 row tiles: half
-    the SMs)."""
+    block 16; each step captured and replayed), B=64 decode tokens over an 8192-key prefix with 256 keys
+    of their own: serial, 93 us with 4 splits and 83 with 8 (one row tile per SM); concurrent, 64 us with
+    4 (64 row tiles: half the SMs)."""
     rows = token_count * (num_heads // kv_num_heads)
     tiles = kv_num_heads * -(-rows // TILE_ROWS)
     blocks = prefix_len // block_size
