@@ -100,22 +100,6 @@ template <typename T> CUPA_DEVICE unsigned finite_or_zero2(unsigned x) {
   return x & ~(top | (top - (top >> 15)));
 }
 
-// Two 16-bit T values with each clamped to the finite range: Inf to +-max, NaN to +max (PTX min / max
-// return the operand that is not NaN; sm_80+). Finite values pass unchanged.
-template <typename T> CUPA_DEVICE unsigned clamp_finite2(unsigned x);
-template <> CUPA_DEVICE unsigned clamp_finite2<__half>(unsigned x) {
-  unsigned r;
-  asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(0x7bff7bffu));
-  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(0xfbfffbffu));
-  return r;
-}
-template <> CUPA_DEVICE unsigned clamp_finite2<__nv_bfloat16>(unsigned x) {
-  unsigned r;
-  asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(0x7f7f7f7fu));
-  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(0xff7fff7fu));
-  return r;
-}
-
 CUPA_DEVICE float warp_sum(float x, int width = 32) {
   for (int off = width / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off, width);
   return x;

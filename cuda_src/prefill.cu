@@ -13,9 +13,7 @@
 // row does not admit never reaches its output (contract §4.4, non-finite values): masked scores are
 // selected to -inf; V values that meet P = 0 have Inf / NaN replaced by 0 (the V rows of keys outside
 // the CTA's intersection of ranges, in shared memory before the products; fp8 codes as they are
-// widened) or, with CLAMP_V (16-bit caches), clamped to the finite range in the V fragments of the
-// tiles that hold keys some row of the warp does not admit, in registers after ldmatrix; rows without
-// admitted keys write zeros.
+// widened), and rows without admitted keys write zeros.
 // Quantized tiles land as codes (packed 4-bit codes: rows of D/2 bytes; VCache, V's trait, may be the
 // other 4-bit kind) and are widened to T in shared memory; the K scale is folded into Q (PER_CHANNEL)
 // or the score scale (PER_TENSOR), the V scale into the epilogue.
@@ -84,8 +82,7 @@ struct PrefillSmem {
   static_assert(total <= 163 * 1024, "an sm_80 CTA's dynamic shared memory");
 };
 
-template <typename T, typename Cache, int D, int TILE_ROWS, int TILE_KEYS, typename VCache = Cache,
-          bool CLAMP_V = false>
+template <typename T, typename Cache, int D, int TILE_ROWS, int TILE_KEYS, typename VCache = Cache>
 __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS * 32,
                                   PrefillConfig<D, TILE_ROWS, TILE_KEYS>::MIN_CTAS) paged_prefill(
     const T* __restrict__ q,  // (N, H, D): prologue output, or `query` itself
@@ -103,13 +100,11 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   constexpr int WARPS = Cfg::WARPS, THREADS = WARPS * 32, ROWS = L::ROWS, KEYS = L::KEYS, NST = L::NST;
   constexpr int MASK_WORDS = KEYS / 32;
   constexpr bool CLEAN_CODES = Cache::quantized && !Cache::always_finite;  // fp8: NaN codes
-  constexpr bool CLEAN_SHARED = !Cache::quantized && !CLAMP_V;  // 16-bit V rows cleaned in shared memory
-  constexpr bool CTA_INTER = CLEAN_CODES || CLEAN_SHARED;  // tiles outside sCtaInter are cleaned
+  constexpr bool CTA_INTER = CLEAN_CODES || !Cache::quantized;  // tiles outside sCtaInter are cleaned
   constexpr int CODE_ROW = L::code_row_bytes;  // bytes of a K or V row in a stage
   static_assert(Cache::quantized == VCache::quantized && Cache::PACK == VCache::PACK && VCache::always_finite ==
                 Cache::always_finite, "K and V caches of one storage layout");
   static_assert(D % 64 == 0 && D <= 256, "head_size 64, 128 or 256");
-  static_assert(!CLAMP_V || !Cache::quantized, "CLAMP_V: 16-bit caches (fp8 codes are cleaned as they are widened)");
   static_assert(KEYS % 32 == 0 && KEYS <= THREADS, "one thread per key row when finding rows");
   static_assert(ROWS <= THREADS && ROWS % 32 == 0, "one thread per query row when locating rows");
 
@@ -371,9 +366,9 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   int stage = 0, slot = 0;  // kt % NST, kt % (NST + 1)
   for (int kt = 0; kt < ntiles; ++kt, stage = stage + 1 == NST ? 0 : stage + 1, slot = slot == NST ? 0 : slot + 1) {
     int2 inter;
-    if constexpr (CLEAN_SHARED) inter = sCtaInter;  // (read first: its latency passes in the wait)
+    if constexpr (!Cache::quantized) inter = sCtaInter;  // (read first: its latency passes in the wait)
     cp_async_wait<NST - 2>();  // this thread's copies of tile kt have landed
-    if constexpr (CLEAN_SHARED) {
+    if constexpr (!Cache::quantized) {
       // A tile with keys some live row of the CTA does not admit (outside sCtaInter): each thread
       // replaces the Inf / NaN values of the V chunks it copied for those keys by 0 in shared memory,
       // before the barrier that publishes the tile (where such a key meets P = 0, 0 times Inf or NaN
@@ -573,39 +568,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
     }
 
     // O += P V; each V fragment serves all MT tiles. (Masked keys were zero-filled and the V rows of
-    // keys outside the CTA's intersection of ranges cleaned, above, or with CLAMP_V the V fragments of a
-    // tile that is not interior to the warp's rows clamped to finite values here: P = 0 never meets Inf
-    // or NaN.)
-    if constexpr (CLAMP_V) {
-      // The products of the loop below, each V fragment clamped first (a separate loop, so that the
-      // default instance compiles to the same code with or without this one).
-      if (!interior) {
-#pragma unroll
-        for (int j2 = 0; j2 < KEYS / 16; ++j2) {
-          unsigned a[MT][4];
-#pragma unroll
-          for (int m = 0; m < MT; ++m) {
-            a[m][0] = Mma<T>::pack(s[m][2 * j2][0], s[m][2 * j2][1]);
-            a[m][1] = Mma<T>::pack(s[m][2 * j2][2], s[m][2 * j2][3]);
-            a[m][2] = Mma<T>::pack(s[m][2 * j2 + 1][0], s[m][2 * j2 + 1][1]);
-            a[m][3] = Mma<T>::pack(s[m][2 * j2 + 1][2], s[m][2 * j2 + 1][3]);
-          }
-#pragma unroll
-          for (int nn = 0; nn < D / 16; ++nn) {
-            unsigned bv[4];
-            ldsm_x4_trans(bv, step_addr(v_base, nn) + j2 * 16 * ROW_BYTES);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) bv[e] = clamp_finite2<T>(bv[e]);
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-              Mma<T>::run(o[m][2 * nn], a[m], bv[0], bv[1]);
-              Mma<T>::run(o[m][2 * nn + 1], a[m], bv[2], bv[3]);
-            }
-          }
-        }
-        continue;
-      }
-    }
+    // keys outside the CTA's intersection of ranges cleaned, above: P = 0 never meets Inf or NaN.)
 #pragma unroll
     for (int j2 = 0; j2 < KEYS / 16; ++j2) {
       unsigned a[MT][4];

@@ -62,11 +62,6 @@ class _Tuning:
         False: the portable mma.sync kernel there too (A/B runs).
     mla_waves : int, default 1
         Waves of resident CTAs (every SM full) the MLA split plan aims for.
-    prefill_clamp_v : bool, default False
-        The mma.sync prefill over 16-bit caches keeps masked keys' Inf / NaN out of P V by clamping
-        the V fragments of the tiles that hold keys some row of a warp does not admit to finite values
-        in registers, instead of zeroing those V rows in shared memory before the tile's barrier (not
-        yet verified on a GPU).
     """
 
     decode_ctas_per_sm: int = 2
@@ -75,7 +70,6 @@ class _Tuning:
     prefill_ws_ctas: Optional[int] = None
     mla_wgmma: bool = True
     mla_waves: int = 1
-    prefill_clamp_v: bool = False
 
     def __post_init__(self):
         _positive_int("_tuning.decode_ctas_per_sm", self.decode_ctas_per_sm)
@@ -84,7 +78,6 @@ class _Tuning:
         _positive_int("_tuning.prefill_ws_ctas", self.prefill_ws_ctas, allow_none=True)
         _flag("_tuning.mla_wgmma", self.mla_wgmma)
         _positive_int("_tuning.mla_waves", self.mla_waves)
-        _flag("_tuning.prefill_clamp_v", self.prefill_clamp_v)
 
 
 @dataclass(frozen=True)

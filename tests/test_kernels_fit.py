@@ -44,10 +44,8 @@ KNOWN_SPILLS.update({str(registry.decode_spec(dt, k, 2, v)): None for dt in type
 KNOWN_SPILLS.update({str(registry.prologue_spec(dt, k, v_cache_kind=v)): None for dt in types.ACT_CXX
                      for k, v in _PACKED if k != v or (dt == "float32" and k == "int4")})
 #: The mma.sync prefill of 16-bit caches at D=128, tile 128 x 64 (255 registers): one 4-byte spill pair in the
-#: key loop (a reload and a store a tile), with either way of keeping masked keys' V out
-#: (Options._tuning.prefill_clamp_v).
-KNOWN_SPILLS.update({str(registry.prefill_spec(dt, "T", 128, (128, 64), clamp_v=clamp)): None
-                     for dt in ("float16", "bfloat16") for clamp in (False, True)})
+#: key loop (a reload and a store a tile).
+KNOWN_SPILLS.update({str(registry.prefill_spec(dt, "T", 128, (128, 64))): None for dt in ("float16", "bfloat16")})
 
 
 def nvrtc_or_skip():

@@ -80,26 +80,3 @@ def test_declined_when_no_variant_fits(rng):
     # the general backend (CUDA cores) takes the call the fused backends decline, and explain() says why
     assert dispatch.choose(decode_problem, tiny, cupa.Options()).name == "general"
     assert "paged_decode_mma needs 70400 B" in dispatch.account(decode_problem, tiny, cupa.Options())
-
-
-def test_prefill_clamp_v_is_selectable_and_not_the_default(rng):
-    """Options._tuning.prefill_clamp_v picks the mma.sync prefill that clamps V fragments in registers
-    (16-bit caches only; not yet verified on a GPU, so off by default), and explain() says which way the
-    kernel keeps masked keys' Inf / NaN out of P V."""
-    from cupa.options import _Tuning
-
-    device = describe_capability(8, 6)   # the mma.sync prefill (no wgmma)
-    clamp = cupa.Options(_tuning=_Tuning(prefill_clamp_v=True))
-    t_problem = problem_of(rng, D=128)
-    assert str(prefill.BACKEND._spec(t_problem, device, cupa.Options())).endswith(", 128, 128, 32>")
-    assert str(prefill.BACKEND._spec(t_problem, device, clamp)).endswith(", 128, 128, 32, CacheSame<__half>, true>")
-    assert "zeroed of Inf / NaN in shared memory" in dispatch.account(t_problem, device, cupa.Options())
-    text = dispatch.account(t_problem, device, clamp)
-    assert "clamped to finite values in registers" in text and "not yet verified on a GPU" in text, text
-    int8_problem = problem_of(rng, D=128, cache="int8")
-    assert str(prefill.BACKEND._spec(int8_problem, device, clamp)) == str(
-        prefill.BACKEND._spec(int8_problem, device, cupa.Options()))
-    specs = {str(s) for s in prefill.BACKEND.specializations()}
-    assert str(prefill.BACKEND._spec(t_problem, device, clamp)) in specs
-    with pytest.raises(cupa.PagedAttentionError, match="prefill_clamp_v"):
-        _Tuning(prefill_clamp_v=1)

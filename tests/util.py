@@ -449,25 +449,6 @@ def poison_unused_cache_rows(inputs, block_size, window=-1):
     return int(unused.sum())
 
 
-#: GPU tests' backend names: a CUDA backend's name, or a variant of it that Options._tuning selects
-BACKEND_VARIANTS = {"prefill[clamp_v]": ("prefill", dict(prefill_clamp_v=True))}
-
-
-def backend_base(name: str) -> str:
-    """The CUDA backend a GPU test's backend name runs ("prefill[clamp_v]" -> "prefill")."""
-    return BACKEND_VARIANTS.get(name, (name, None))[0]
-
-
-def backend_options(name: str) -> "cupa.Options":
-    """cupa.Options that run a GPU test's backend name: that backend, with the variant's tuning."""
-    base, tuning = BACKEND_VARIANTS.get(name, (name, None))
-    if tuning is None:
-        return cupa.Options(backend=base)
-    from cupa.options import _Tuning
-
-    return cupa.Options(backend=base, _tuning=_Tuning(**tuning))
-
-
 def to_device(cp, inputs):
     """``inputs`` with every array moved by ``cp.asarray`` (metadata and None stay)."""
     return {k: (cp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}

@@ -9,8 +9,7 @@
 # synccheck on tools/synccheck_probe.py's three arrival forms), ab (benchmarks/ab_trees.py on the tree
 # $BEFORE_TREE, a directory with its cupa/ and cuda_src/, and on this one, two rounds), profile (ncu
 # of one decode call of $PROFILE_CACHE, default int4, B=64 L=4096), bench (the benchmark command, quick),
-# clean (the isolation and non-finite GPU tests of the mma.sync prefill with V clamped in registers, and
-# benchmarks/ab_prefill_clean.py), cascade (benchmarks/profile_cascade.py --sweep and the cascade suite).
+# cascade (benchmarks/profile_cascade.py --sweep and the cascade suite).
 # Logs go to $OUT/logs (or ./device_logs) and, after every step, into $OUT/logs.tgz (a call brings back
 # only a few files); each step prints a one-line summary last.
 set -u
@@ -74,12 +73,6 @@ cp.cuda.Device().synchronize()" > "$out/profile.log" 2>&1; rc=$?
              line=$(grep -m 2 -E "DRAM Throughput|Compute \(SM\) Throughput" "$out/profile.log" | tr -s ' ' | tr '\n' ' ') ;;
     bench) python3 -m cupa.bench --quick --out "$out/bench_quick.json" > "$out/bench.log" 2>&1; rc=$?
            line=$(tail -n 3 "$out/bench.log" | tr '\n' ' ') ;;
-    clean) rc=0
-           python3 -m pytest -q -m gpu -p no:cacheprovider $timeout_opt tests/gpu/test_isolation.py \
-             tests/gpu/test_nonfinite.py -k clamp_v > "$out/clean_tests.log" 2>&1 || rc=$?
-           python3 benchmarks/ab_prefill_clean.py --reps 30 --rounds 3 --out "$out/ab_prefill_clean.json" \
-             > "$out/ab_prefill_clean.log" 2>&1 || rc=$?
-           line="$(tail -n 1 "$out/clean_tests.log"); $(tail -n 4 "$out/ab_prefill_clean.log" | tr '\n' ' ')" ;;
     cascade) rc=0
              python3 benchmarks/profile_cascade.py --sweep --splits auto --reps 200 --out "$out/cascade_sweep.json" \
                > "$out/cascade_sweep.log" 2>&1 || rc=$?

@@ -122,23 +122,6 @@ def prologue_beside(problem: Problem, device: DeviceInfo, options: Options) -> b
             and p.token_count >= BESIDE_MIN_TOKENS_PER_SM * sms and launch.pdl_allowed(device, options))
 
 
-def clamps_v(p: Problem, options: Options) -> bool:
-    """Whether the mma.sync prefill clamps V fragments in registers (``Options._tuning.prefill_clamp_v``;
-    16-bit caches) rather than cleaning V rows in shared memory."""
-    return options._tuning.prefill_clamp_v and not p.quantized
-
-
-def clean_phrase(p: Problem, options: Options) -> str:
-    """How the kernel keeps a masked key's Inf / NaN V values out of P V, in words."""
-    if p.quantized:
-        return ("NaN codes widened as 0 on tiles with keys outside the CTA's intersection of row ranges"
-                if "fp8" in (p.cache_kind, p.v_cache_kind) else "every code finite")
-    if clamps_v(p, options):
-        return ("V fragments of tiles with keys some row of a warp does not admit clamped to finite values in "
-                "registers (Options._tuning.prefill_clamp_v: not yet verified on a GPU)")
-    return "V rows of keys outside the CTA's intersection of row ranges zeroed of Inf / NaN in shared memory"
-
-
 def prologue_phrase(problem: Problem, device: DeviceInfo, options: Options) -> str:
     """How the attention launch relates to the prologue, for explain()."""
     if kv_from_inputs(problem, options):
@@ -186,8 +169,6 @@ class PrefillBackend(CudaBackend):
                 specs.append(registry.prologue_spec(dtype, kind, v_cache_kind=v_kind))
                 specs.extend(registry.prefill_spec(dtype, kind, d, tile, v_kind)
                              for d in PREFILL_HEAD_SIZES for tile in TILES[d])
-            specs.extend(registry.prefill_spec(dtype, "T", d, tile, clamp_v=True)   # Options._tuning.prefill_clamp_v
-                         for d in PREFILL_HEAD_SIZES for tile in TILES[d])
         return specs
 
     def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
@@ -197,7 +178,6 @@ class PrefillBackend(CudaBackend):
                 f"{problem.kv_num_heads} KV heads + {plan['zero_ctas']} zero-pass CTA(s); keys in tiles of "
                 f"{plan['keys']} through a {plan['stages']}-stage cp.async pipeline; "
                 f"{prologue_phrase(problem, device, options)}; "
-                f"{clean_phrase(problem, options)}; "
                 f"token_count ({problem.token_count}) {'>' if self.preferred(problem) else '<='} batch_size "
                 f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
 
@@ -221,10 +201,9 @@ class PrefillBackend(CudaBackend):
         return call.finish()
 
     # The kernel, launch plan and shared memory of a call on a device: the wgmma backend swaps these.
-    def _spec(self, p: Problem, device: DeviceInfo, options: Options):
+    def _spec(self, p: Problem, device: DeviceInfo):
         return registry.prefill_spec(p.dtype, p.cache_kind, p.head_size,
-                                     tile_for(p.head_size, p.quantized, device, p.packed), p.v_cache_kind,
-                                     clamp_v=clamps_v(p, options))
+                                     tile_for(p.head_size, p.quantized, device, p.packed), p.v_cache_kind)
 
     def _plan(self, p: Problem, device: DeviceInfo, options: Options) -> dict:
         return launch_plan(p, tile_for(p.head_size, p.quantized, device, p.packed))
@@ -250,7 +229,7 @@ class PrefillBackend(CudaBackend):
         p, device, options = plan_.problem, plan_.device, plan_.options
         a = p.attrs
         plan = self._plan(p, device, options)
-        kernel = jit.get_kernel(self._spec(p, device, options))
+        kernel = jit.get_kernel(self._spec(p, device))
         shared = self._shared_bytes(p, device)
         launch.ensure_shared_memory(kernel, shared)
         args = (POINTER,) * len(_ATTEND_POINTERS) + (

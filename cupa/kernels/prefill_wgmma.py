@@ -160,7 +160,7 @@ class PrefillWgmmaBackend(PrefillBackend):
                 f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
 
     # Read when a plan's launches are built.
-    def _spec(self, p: Problem, device: DeviceInfo, options: Options):
+    def _spec(self, p: Problem, device: DeviceInfo):
         return registry.prefill_wgmma_ws_spec(p.dtype, p.head_size)
 
     def _plan(self, p: Problem, device: DeviceInfo, options: Options) -> dict:

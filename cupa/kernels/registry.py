@@ -40,18 +40,12 @@ def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, stages: int, ke
                       f"{stages}, {'true' if keys_as_m else 'false'}{types.v_cache_arg(cache_kind, v_cache_kind, dtype)}>")
 
 
-def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple, v_cache_kind: str = None,
-                 clamp_v: bool = False) -> Specialization:
-    """``tile``: (query rows, keys) of a CTA's tile (PrefillConfig in prefill.cu). ``clamp_v`` (16-bit
-    caches): V fragments of tiles with keys some row of a warp does not admit are clamped to finite values
-    in registers instead of the V rows being cleaned in shared memory (CLAMP_V)."""
+def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple, v_cache_kind: str = None) -> Specialization:
+    """``tile``: (query rows, keys) of a CTA's tile (PrefillConfig in prefill.cu)."""
     rows, keys = tile
-    v_arg = types.v_cache_arg(cache_kind, v_cache_kind, dtype)
-    if clamp_v:
-        v_arg = f", {types.cache(v_cache_kind or cache_kind, dtype)}, true"
     return Specialization(
         "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, {rows}, {keys}"
-                   f"{v_arg}>")
+                   f"{types.v_cache_arg(cache_kind, v_cache_kind, dtype)}>")
 
 
 def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:

@@ -2,9 +2,8 @@
 
 The cases of tests/isolation.py (every mask kind; same tile and chunk, other sequences of the batch;
 NaN/Inf in cache rows and in the new K/V) run on CuPy arrays on one named backend
-(``cupa.Options(backend=...)``: decode, prefill -- also with V clamped in registers,
-``prefill[clamp_v]`` -- prefill_wgmma, and mla and general where they serve the case), once clean and
-once poisoned. The clean run must match the reference
+(``cupa.Options(backend=...)``: decode, prefill, prefill_wgmma, and mla and general where they
+serve the case), once clean and once poisoned. The clean run must match the reference
 (contract §6 tolerance, every element written); in the poisoned run every token that admits no
 poisoned row must be bit-identical to the clean run: output, and output_qk and lse where the backend
 serves them. A backend that does not serve a case skips it with its reasons.
@@ -19,7 +18,7 @@ from tests import isolation, util
 
 pytestmark = pytest.mark.gpu
 
-BACKENDS = ("decode", "prefill", "prefill[clamp_v]", "prefill_wgmma", "mla", "general")
+BACKENDS = ("decode", "prefill", "prefill_wgmma", "mla", "general")
 #: the CUDA-side cache kinds (CuPy holds fp8 as e4m3 bytes)
 CACHES = tuple(c for c in isolation.CACHES if c[0] != "fp8")
 MASKS = isolation.MASKS
@@ -35,18 +34,17 @@ def _serving_reasons(cp, case, backend, **extra) -> list:
     from cupa.device import device_info
 
     problem = _problem(cp, case, **extra)
-    named = [b for b in dispatch.cuda_backends() if b.name == util.backend_base(backend)]
+    named = [b for b in dispatch.cuda_backends() if b.name == backend]
     if not named:
         return [f"no backend named {backend!r} here"]
-    return named[0].not_supported_reasons(problem, device_info(cp.cuda.runtime.getDevice()),
-                                          util.backend_options(backend))
+    return named[0].not_supported_reasons(problem, device_info(cp.cuda.runtime.getDevice()), cupa.Options())
 
 
 def _run(cp, case, backend, **extra):
     """One call on CuPy copies of the case's inputs with output poisoned (NaN); host results."""
     dev = util.to_device(cp, case.inputs)
     out = cp.full(_problem(cp, case, **extra).output_shape, np.nan, dtype=dev["query"].dtype)
-    result = cupa.paged_attention(**dev, out=out, options=util.backend_options(backend), **dict(case.attrs, **extra))
+    result = cupa.paged_attention(**dev, out=out, options=cupa.Options(backend=backend), **dict(case.attrs, **extra))
     result = result if isinstance(result, tuple) else (result,)
     cp.cuda.get_current_stream().synchronize()
     return tuple(cp.asnumpy(r) for r in result)
@@ -56,8 +54,6 @@ def _run(cp, case, backend, **extra):
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rows_a_token_does_not_admit_never_reach_it(cp, rng, backend, mask, cache):
-    if backend == "prefill[clamp_v]" and cache != "T":
-        pytest.skip("prefill[clamp_v] differs from prefill on 16-bit caches only")
     opts = dict(dict(CACHES)[cache], head_size=128, num_heads=8, kv_num_heads=2)
     case = isolation.build(rng, mask, **opts)
     reasons = _serving_reasons(cp, case, backend)
