@@ -33,6 +33,8 @@ CASES = {
     "prefill B=4 q=2048 bs=256 (prefill_wgmma)": (4, 2048, 0, 256, "prefill_wgmma"),
     "prefill B=4 q=2048 bs=16 (prefill)": (4, 2048, 0, 16, "prefill"),
     "chunked B=8 past=8192 q=512 bs=16 (prefill_wgmma)": (8, 512, 8192, 16, "prefill_wgmma"),
+    "prefill B=4 q=2048 bs=256 (prefill)": (4, 2048, 0, 256, "prefill"),
+    "chunked B=8 past=8192 q=512 bs=16 (prefill)": (8, 512, 8192, 16, "prefill"),
 }
 
 
