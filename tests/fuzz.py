@@ -7,10 +7,12 @@ offset), QK-norm, sinks, softcap, windows, is_causal=0, explicit slots and posit
 caches and packed int4 / e2m1 4-bit ones (K and V of either 4-bit kind) with mixed granularities,
 attention_metadata absent, tight or loose, an empty cache, and
 malformed data (bad block ids, bad slots, negative or oversized lengths, decreasing cum, negative or
-out-of-range positions). Every configuration runs on the backend dispatch chooses and on every other
-CUDA backend that serves it (``cupa.Options(backend=...)``, verified or not), with the output poisoned.
-The output must be within the tolerances of contract §6 of the reference, every output element written,
-and the caches within one ulp of T (T caches) or one code (quantized) of the reference's caches.
+out-of-range positions), output_qk (scores or probabilities) and lse. Every configuration runs on the
+backend dispatch chooses and on every other CUDA backend that serves it (``cupa.Options(backend=...)``,
+verified or not), with the output poisoned (and output_qk, lse and the workspaces where the call asks for
+them). The output must be within the tolerances of contract §6 of the reference, every output element
+written, output_qk and lse as the GPU tests check them (util.check_outputs_against_reference), and the
+caches within one ulp of T (T caches) or one code (quantized) of the reference's caches.
 
 Replay one configuration with ``python -m tests.fuzz --seed S --n 1``.
 """
@@ -18,6 +20,7 @@ Replay one configuration with ``python -m tests.fuzz --seed S --n 1``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -69,6 +72,9 @@ def draw(seed: int) -> tuple:
               is_causal=int(rng.random() < 0.85), query_positions=bool(rng.random() < 0.15),
               block_table=pick(("shuffled", "shuffled", "shared", "unmapped")),
               spare_blocks=int(rng.integers(0, 4)))
+    # output_qk and lse, from a stream of their own too (attributes only: the data drawn stays the same)
+    outs = np.random.default_rng((seed, 5))
+    kw.update(qk_output=int(outs.integers(1, 3)) if outs.random() < 0.15 else 0, return_lse=bool(outs.random() < 0.15))
     if rng.random() < 0.3:
         rotary_dim = pick(tuple(r for r in (D, D // 2, 16, 8) if r >= 2 and r % 2 == 0 and r <= D))
         offsets = [o for o in range(0, D - rotary_dim + 1, 8)]
@@ -136,7 +142,7 @@ def draw(seed: int) -> tuple:
     if inputs.get("query_positions") is not None and attrs.get("do_rotary"):
         inputs["query_positions"] = np.minimum(inputs["query_positions"], inputs["cos_cache"].shape[0] + 3)
     desc = dict(seed=seed, dtype=dtype, D=D, H=H, Hk=Hk, block_size=block_size, B=B, cache=cache,
-                v_cache=v_cache or cache, notes=notes,
+                v_cache=v_cache or cache, notes=notes, qk_output=kw["qk_output"], return_lse=kw["return_lse"],
                 q_lens=[int(x) for x in q_lens_now], past=[int(x) for x in inputs["past_seqlens"]])
     return inputs, attrs, metadata, desc
 
@@ -206,7 +212,9 @@ def check_one(seed: int, only=None, malformed_only: bool = False, skip=()) -> di
         record["backends"]["(none)"] = "no CUDA backend serves it"
         return record
     ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-    ref = cupa.paged_attention(**ref_in, attention_metadata=metadata, **attrs)
+    qk_mode, with_lse = desc["qk_output"], desc["return_lse"]
+    ref, ref_qk, ref_lse = util.split_result(cupa.paged_attention(**ref_in, attention_metadata=metadata, **attrs),
+                                             qk_mode, with_lse)
     dtype, cache = desc["dtype"], desc["cache"]
     for name in names:
         dev = util.to_device(cp, inputs)
@@ -214,11 +222,23 @@ def check_one(seed: int, only=None, malformed_only: bool = False, skip=()) -> di
         D = desc["D"]
         out = cp.full((N, H * D), np.nan, dtype=dev["query"].dtype)
         try:
-            cupa.paged_attention(**dev, attention_metadata=metadata, out=out, options=cupa.Options(backend=name),
-                                 **attrs)
+            poison = util.poisoned_allocations(cp) if qk_mode or with_lse else contextlib.nullcontext()
+            with poison:  # output_qk, lse and workspaces start as NaN
+                result = cupa.paged_attention(**dev, attention_metadata=metadata, out=out,
+                                              options=cupa.Options(backend=name), **attrs)
             cp.cuda.get_current_stream().synchronize()
+            _, got_qk, got_lse = util.split_result(result, qk_mode, with_lse)
             host = cp.asnumpy(out)
             problems = []
+            for what, got, want, check in (
+                    ("output_qk", got_qk, ref_qk, util.assert_rows_close if qk_mode == 2 else util.assert_elementwise),
+                    ("lse", got_lse, ref_lse, util.assert_elementwise)):
+                if want is None:
+                    continue
+                try:
+                    check(cp.asnumpy(got), want, util.TOLERANCE[dtype], what)
+                except AssertionError as exc:
+                    problems.append(str(exc)[:300])
             if np.isnan(host.astype(np.float32)).any():
                 problems.append("unwritten (NaN-poisoned) output elements")
             err = util.rel_err(host, ref)
