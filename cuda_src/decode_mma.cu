@@ -9,7 +9,8 @@
 // admitted keys) or written as a partial state that the last split CTA to finish merges
 // (epilogue.cuh). Reads: Q (the prologue's workspace or `query`), the caches through the block
 // table, cum / past_seqlens / query_positions, head_sink, the scales. Writes: `out` (and `lse` when
-// asked for: where the output is finalized), or the split partials and arrival counters. Host values
+// asked for: where the output is finalized), or the split partials and arrival counters; QK instances
+// (head-major loop) also the scores of output_qk, which paged_general_finish completes. Host values
 // that size the launch: token_count, head counts, num_splits and chunk (see decode.cu); none enters
 // a mask.
 //
@@ -44,6 +45,7 @@
 // target is <= 75 us for int4 and e2m1 (the 8-bit caches, 0.54 GB, ~146 us).
 #include "common.cuh"
 #include "epilogue.cuh"
+#include "general.cuh"  // qk_entry (QK instances)
 #include "mma.cuh"
 #include "paged.cuh"
 #include "quant.cuh"
@@ -245,7 +247,7 @@ struct TileCopy {
   }
 };
 
-template <typename T, typename Cache, int D, int STAGES, bool KEYS_AS_M, typename VCache = Cache>
+template <typename T, typename Cache, int D, int STAGES, bool KEYS_AS_M, typename VCache = Cache, bool QK = false>
 __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) paged_decode_mma(
     const T* __restrict__ q,  // (N, H, D): prologue output
     const typename Cache::storage* __restrict__ key_cache, const typename VCache::storage* __restrict__ value_cache,
@@ -256,12 +258,15 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
     float* __restrict__ lse,
     int num_heads, int kv_num_heads, int batch_size, int num_blocks, int block_size,
     int max_blocks, int chunk, int num_splits, int rotary_max_pos, float scale, float softcap,
-    int window, int is_causal, int k_quant, int v_quant, int q_is_input) {
+    int window, int is_causal, int k_quant, int v_quant, int q_is_input,
+    // QK instances: output_qk (H, N, qk_width) float32, qk_mode 1 or 2 (general.cuh: qk_entry)
+    float* __restrict__ output_qk, int qk_mode, int qk_width) {
   using C = typename Cache::storage;
   using L = MmaDecodeSmem<T, Cache, D, STAGES>;
   constexpr int NST = STAGES;
   static_assert(D % 64 == 0 && D <= 128, "head_size 64 or 128");
   static_assert(!KEYS_AS_M || Cache::quantized, "the keys-as-M loop reads quantized caches");
+  static_assert(!(QK && KEYS_AS_M), "output_qk: the head-major loop");
   static_assert(Cache::quantized == VCache::quantized && Cache::PACK == VCache::PACK, "K and V rows of one width");
   constexpr bool PACKED = Cache::PACK == 2;  // 4-bit codes, two a byte
   constexpr int CODE_BITS = PACKED ? 4 : 8 * (int)sizeof(C);
@@ -606,6 +611,24 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       // Scores in log2 units (the scale times log2(e) folded into one multiply), so each
       // probability is one ex2; m0/m1 are converted back to natural units after the loop.
       const unsigned* rows = sRows + (tile % (NST + 1)) * KEY_TILE + warp * 16;
+      if constexpr (QK) {
+        // output_qk: the score (after scale and softcap) of each of the split's keys [lo, hi) for the chunk's
+        // heads, or qk_entry's value for an unmapped one; paged_general_finish does the rest of the row.
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = j * 8 + (lane & 3) * 2 + (e & 1), r = (lane >> 2) + (e >= 2 ? 8 : 0);
+            const int k = lo + tile * KEY_TILE + warp * 16 + key;
+            if (r < nh && k < hi && k < qk_width) {
+              const float x = s[j][e] * score_scale;
+              const float score = softcap > 0.0f ? softcap_score(x, softcap) : x;
+              output_qk[((long long)(h0 + r) * gridDim.x + t) * qk_width + k] =
+                  qk_entry(rows[key] != NO_ROW, score, qk_mode);
+            }
+          }
+        }
+      }
       if (softcap > 0.0f) {
 #pragma unroll
         for (int j = 0; j < 2; ++j)

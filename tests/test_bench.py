@@ -613,9 +613,11 @@ def test_device_general_suite(tmp_path):
     payload = json.loads(out.read_text())
     recs = {r["case"].split(" B=")[0]: r for r in payload["cases"] if r["suite"] == "general"}
     assert set(recs) == {"prefill bias", "decode qk_output=2", "latent bias"}
-    for rec in recs.values():
-        assert rec["cupa"]["status"] == "ok" and rec["cupa"]["backend"] == "general", rec["cupa"]
+    for name, rec in recs.items():
+        want = "decode" if name == "decode qk_output=2" else "general"  # decode-shaped output_qk: the decode backend
+        assert rec["cupa"]["status"] == "ok" and rec["cupa"]["backend"] == want, rec["cupa"]
         assert all(m["status"] == "ok" for m in rec["variants"].values()), rec["variants"]
+    assert recs["decode qk_output=2"]["variants"]["general plain"]["backend"] == "general"
     assert recs["prefill bias"]["variants"]["general no bias"]["backend"] == "general"
     assert recs["prefill bias"]["variants"]["fused no bias"]["backend"] != "general"
     assert recs["decode qk_output=2"]["floor"]["output_qk_shape"] == [32, 8, 8192]

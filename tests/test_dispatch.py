@@ -102,7 +102,7 @@ def test_features_no_fused_backend_serves_are_said_once(rng):
     problem = op._problem(op._bind((), inputs))
     assert dispatch.choose(problem, H200, DEFAULT).name == "general"
     lines = dispatch.account(problem, H200, DEFAULT).splitlines()
-    reason = "output_qk (qk_output != 0) is not served here (the general backend serves it)"
+    reason = "output_qk (qk_output != 0) is not served here (the decode and general backends serve it)"
     declining = [b for b in dispatch.cuda_backends() if "output_qk" not in b.serves]
     said = [line for line in lines if f"not eligible: {reason}" in line]
     assert len(said) == len(declining) > 0

@@ -15,7 +15,7 @@ import cupa
 from cupa import dispatch, jit
 from cupa.device import SHARED_OPTIN_BY_CAPABILITY, describe_capability
 from cupa.kernels import backend as kbackend
-from cupa.kernels import general, launch, registry
+from cupa.kernels import decode, general, launch, registry
 from tests import util
 from tests.test_dispatch import problem_of
 
@@ -47,17 +47,22 @@ def test_general_is_last_and_serves_every_feature_but_packed_caches():
 
 @pytest.mark.parametrize("case", ["bias", "scores", "probabilities"])
 def test_fused_backends_decline_and_the_general_backend_alone_serves(rng, case, monkeypatch):
-    """Each fused backend declines with the feature's reason naming the general backend; the general backend
-    has no reason to decline; marked unverified, the default choice raises the clear error that says so."""
+    """Each fused backend declines with the feature's reason naming the backends that serve it (output_qk: the
+    decode backend too, which has no reason to decline these fp16 calls); the general backend has no reason to
+    decline; marked unverified (and the decode backend's output_qk too), the default choice raises the clear
+    error that says so."""
     monkeypatch.setattr(general.BACKEND, "verified", False)
+    monkeypatch.setattr(decode.BACKEND, "unverified", frozenset({"output_qk"}))
     p = problem_of(rng, **FEATURE_CASES[case])
     what = {"bias": "attention_bias", "scores": "output_qk", "probabilities": "output_qk"}[case]
+    served_by = {"attention_bias": "(the general backend serves it)",
+                 "output_qk": "(the decode and general backends serve it)"}[what]
     for b in dispatch.cuda_backends():
         reasons = b.not_supported_reasons(p, H200, DEFAULT)
-        if b.name == "general":
+        if b.name == "general" or (b.name == "decode" and what == "output_qk"):
             assert reasons == [], reasons
         else:
-            assert any(r.startswith(what) and r.endswith("(the general backend serves it)") for r in reasons), reasons
+            assert any(r.startswith(what) and r.endswith(served_by) for r in reasons), reasons
     with pytest.raises(cupa.PagedAttentionError, match=r"no CUDA backend serves this call .*general: not yet "
                                                        r"verified on a GPU \(select it with cupa.Options\(backend="
                                                        r"'general'\)\)"):
@@ -74,7 +79,8 @@ def test_the_default_choice_for_bias_and_output_qk_is_the_general_backend(rng, c
     p = problem_of(rng, **FEATURE_CASES[case])
     assert dispatch.choose(p, H200, DEFAULT) is general.BACKEND
     text = dispatch.account(p, H200, DEFAULT)
-    assert "general: chosen (general backend on" in text and "not yet verified" not in text, text
+    line = next(x for x in text.splitlines() if x.startswith("general: "))
+    assert line.startswith("general: chosen (general backend on") and "not yet verified" not in line, text
 
 
 @pytest.mark.parametrize("case", ["latent", "latent_576"])

@@ -1,5 +1,6 @@
-"""The ``general`` suite: the general backend's calls (attention_bias, output_qk) against its targets,
-each beside the same call without the feature, in the same run.
+"""The ``general`` suite: calls with attention_bias or output_qk against their targets, each beside the same
+call without the feature, in the same run (the general backend serves the bias calls; a decode-shaped
+output_qk call runs on the decode backend).
 
 - prefill: causal B=4 x 2048 new tokens (fp16, GQA 32/8, D=128, block 16) with a full (B, H, 2048,
   2048) fp16 attention_bias. cupa's entry is the call with the bias (the library's own choice: the
@@ -8,8 +9,9 @@ each beside the same call without the feature, in the same run.
   TFLOP/s of the causal FLOPs ``4 H D sum_b(q_b (q_b + 1) / 2)`` (target >= 150) and
   ``bias_cost_vs_general_no_bias`` (bias time / general no-bias time).
 - decode: B=8, L=8192 (fp16, GQA 32/8, D=128, block 16) with qk_output=2 (the probabilities, a (32, 8,
-  8192) float32 output_qk). cupa's entry is the qk_output=2 call; the variants are qk_output=1, a (B, H,
-  1, L) bias, the general backend with neither, and the fused decode without output_qk. The floor is
+  8192) float32 output_qk). cupa's entry is the qk_output=2 call (the decode backend); the variants are
+  qk_output=1, a (B, H, 1, L) bias, the general backend with neither, and the fused decode without
+  output_qk. The floor is
   the fused decode's time plus output_qk's bytes at the write bandwidth measured in the same run (a
   2 GiB cudaMemsetAsync, timed like every call: L2 flushed before each run); ``ratio_to_floor`` = time / floor
   (target <= 1.5).
@@ -59,8 +61,8 @@ def _rename(case: Case, what: str) -> Case:
 
 class GeneralSuite(Suite):
     name = "general"
-    description = ("the general backend: bias prefill (TFLOP/s, target >= 150), output_qk decode (time / floor, "
-                   "target <= 1.5), LATENT with a bias")
+    description = ("attention_bias and output_qk: bias prefill (general backend; TFLOP/s, target >= 150), output_qk "
+                   "decode (decode backend; time / floor, target <= 1.5), LATENT with a bias")
 
     def items(self, size: str) -> list:
         prefill, decode, latent = _cases(size)

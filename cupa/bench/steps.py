@@ -120,7 +120,7 @@ def _launch_floor(op, args, md, out):
     pointers; no planning, no checks): the host cost no Python can remove. None where the call is not
     a workspace-free decode that has run once (its launch recipe is built by the first call)."""
     from cupa.contract import INPUT_NAMES
-    from cupa.kernels import launch
+    from cupa.kernels import decode, launch
 
     plan = op.plan(*args, attention_metadata=md)
     recipe = plan.state.get("recipe")
@@ -129,7 +129,7 @@ def _launch_floor(op, args, md, out):
     inputs = dict.fromkeys(INPUT_NAMES)
     inputs.update(zip(INPUT_NAMES, args), attention_metadata=md)
     call = launch.prepare(plan.problem, inputs, out, None)
-    ptrs = call.ptrs + [0, call.output_ptr, 0, 0, 0, call.lse_ptr]   # the decode backend's pointer list
+    ptrs = decode.launch_pointers(recipe, call, 0)
     stream_ptr = call.stream.ptr
     return lambda: recipe.launches(ptrs, stream_ptr)
 

@@ -18,7 +18,7 @@ from ..options import Options
 FEATURES = {
     "latent": ("kv_cache_layout='LATENT' (absorbed MLA)", "mla"),
     "bias": ("attention_bias", "general"),
-    "output_qk": ("output_qk (qk_output != 0)", "general"),
+    "output_qk": ("output_qk (qk_output != 0)", ("decode", "general")),
     "return_lse": ("return_lse", None),   # every CUDA backend serves it
     "subbyte": ("packed 4-bit caches (k/v_cache_dtype 'int4', 'float4e2m1')", ("decode", "prefill")),
 }

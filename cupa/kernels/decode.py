@@ -12,12 +12,15 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
+
 from .. import jit
 from ..contract import Problem
 from ..device import DeviceInfo
 from ..options import Options
 from . import launch, registry, types
 from .backend import CudaBackend, ctas_per_sm, packed_cache_reasons, shared_reason
+from .general import FINISH_KEYS, FINISH_WARPS, MAX_GRID_YZ
 from .launch import POINTER
 from .prologue import POINTER_INPUTS, prologue_launcher, q_passthrough
 from .types import f32, i32
@@ -45,9 +48,17 @@ KEYS_AS_M_HEADS = 8  # query heads per CTA of the quantized caches' keys-as-M lo
 
 
 def uses_keys_as_m(problem: Problem, options: Options) -> bool:
-    """The quantized caches' tensor-core loop with keys as the MMA's M dimension: GQA groups of at most 8 heads."""
+    """The quantized caches' tensor-core loop with keys as the MMA's M dimension: GQA groups of at most 8 heads
+    (output_qk calls take the head-major loop)."""
     return (options._tuning.decode_keys_as_m and uses_mma(problem) and problem.quantized
-            and problem.group_size <= KEYS_AS_M_HEADS)
+            and problem.group_size <= KEYS_AS_M_HEADS and not problem.attrs.qk_output)
+
+
+def qk_finish_grid(problem: Problem) -> tuple:
+    """The grid of paged_general_finish (general_finish.cu) completing output_qk after the decode kernel: one warp
+    per (token, query head), FINISH_KEYS keys of its row per CTA along z."""
+    return (problem.token_count, math.ceil(problem.num_heads / FINISH_WARPS),
+            math.ceil(problem.kv_capacity / FINISH_KEYS))
 
 
 def heads_per_cta(problem: Problem, options: Options) -> int:
@@ -101,7 +112,11 @@ def split_plan(problem: Problem, sm_count: int, options: Options) -> tuple:
 
 class DecodeBackend(CudaBackend):
     name = "decode"
-    serves = frozenset({"return_lse", "subbyte"})
+    # output_qk: the tensor-core kernel's QK instances (16-bit caches) write the scores of the keys each CTA
+    # reads, and paged_general_finish (the general backend's finish kernel) writes the rest of every row and,
+    # under qk_output=2, the probabilities.
+    # (tests/gpu/test_decode_qk.py passes on an H200)
+    serves = frozenset({"return_lse", "subbyte", "output_qk"})
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         reasons = packed_cache_reasons(problem)
@@ -110,12 +125,20 @@ class DecodeBackend(CudaBackend):
         elif uses_mma(problem) and self._stages(problem, device, options) is None:
             need = mma_shared_bytes(problem.head_size, problem.quantized, MMA_STAGES[-1], problem.packed)
             reasons.append(shared_reason("paged_decode_mma", need, device))
+        if problem.attrs.qk_output:
+            if not uses_mma(problem) or problem.quantized:
+                reasons.append("output_qk is written by the tensor-core kernel with fp16/bf16 activations, head_size "
+                               "64 or 128 and 16-bit caches only (the general backend serves the rest)")
+            elif max(qk_finish_grid(problem)[1:]) > MAX_GRID_YZ:
+                reasons.append(f"output_qk's finish grid {qk_finish_grid(problem)} exceeds a launch's grid y/z "
+                               f"({MAX_GRID_YZ})")
         return reasons
 
     def preferred(self, problem: Problem, device: DeviceInfo, options: Options) -> bool:
         # Seed 4.7: token_count <= batch_size comes here (prefill is tried first and declines those);
         # calls prefill cannot serve (fp32, odd head sizes) come here too: this kernel is exact for any input.
-        return True
+        # With output_qk, only decode-shaped calls: the general backend's row tiles serve longer queries.
+        return not problem.attrs.qk_output or problem.token_count <= problem.batch_size
 
     def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
         chunk, splits, heads = split_plan(problem, device.sm_count, options)
@@ -124,8 +147,12 @@ class DecodeBackend(CudaBackend):
             engine += ", keys as M"
         if uses_mma(problem):
             engine += f", a {self._stages(problem, device, options)}-stage K/V pipeline"
+        qk = ""
+        if problem.attrs.qk_output:
+            qk = ("; the scores also go to output_qk, whose rows paged_general_finish completes "
+                  f"(grid {qk_finish_grid(problem)})")
         return (f"paged flash-decoding on {engine}: one CTA per (token, KV head, {heads}-head chunk, split); "
-                f"{splits} split(s) of {chunk} key positions; fused prologue first")
+                f"{splits} split(s) of {chunk} key positions; fused prologue first{qk}")
 
     @staticmethod
     def _stages(p: Problem, device: DeviceInfo, options: Options) -> Optional[int]:
@@ -135,7 +162,8 @@ class DecodeBackend(CudaBackend):
         """The attention kernel of a call: paged_decode_mma (tensor cores) or paged_decode."""
         if uses_mma(p):
             return registry.decode_mma_spec(p.dtype, p.cache_kind, p.head_size, self._stages(p, device, options),
-                                            keys_as_m=uses_keys_as_m(p, options), v_cache_kind=p.v_cache_kind)
+                                            keys_as_m=uses_keys_as_m(p, options), v_cache_kind=p.v_cache_kind,
+                                            qk=bool(p.attrs.qk_output))
         return registry.decode_spec(p.dtype, p.cache_kind, heads_per_cta(p, options), p.v_cache_kind)
 
     def specializations(self) -> list:
@@ -152,6 +180,9 @@ class DecodeBackend(CudaBackend):
                     if kind != "T":
                         specs.extend(registry.decode_mma_spec(dtype, kind, d, stages, keys_as_m=True,
                                                               v_cache_kind=v_kind) for d in MMA_HEAD_SIZES)
+            for stages in MMA_STAGES:
+                specs.extend(registry.decode_mma_spec(dtype, "T", d, stages, qk=True) for d in MMA_HEAD_SIZES)
+            specs.append(registry.general_finish_spec(dtype))
         return specs
 
     def run(self, plan, inputs: dict, out=None, stream=None):
@@ -163,16 +194,10 @@ class DecodeBackend(CudaBackend):
         with call:
             if r is None:
                 r = plan.state["recipe"] = self._recipe(plan, call)
-            # Q workspace (unless the kernel reads `query` itself) and split partials: one allocation, held
-            # (by `ws`) until the launches are enqueued, and by a capture for the graph's life.
+            # Q workspace (unless the kernel reads `query` itself), split partials and (qk_output=2) the rows' lse:
+            # one allocation, held (by `ws`) until the launches are enqueued, and by a capture for the graph's life.
             ws = launch.workspace(r.nbytes) if r.nbytes else None
-            base = ws.ptr if ws is not None else 0
-            if r.split:
-                ptrs = call.ptrs + [base, call.output_ptr, base + r.part_o, base + r.part_ml, base + r.counters,
-                                    call.lse_ptr]
-            else:
-                ptrs = call.ptrs + [base, call.output_ptr, 0, 0, 0, call.lse_ptr]
-            r.launches(ptrs, call.stream.ptr)
+            r.launches(launch_pointers(r, call, ws.ptr if ws is not None else 0), call.stream.ptr)
         return call.finish()
 
     def _recipe(self, plan, call) -> "_Recipe":
@@ -196,6 +221,10 @@ class DecodeBackend(CudaBackend):
             r.part_ml = r.part_o + launch.align(rows * p.head_size * 4)      # float part_o[rows][D]
             r.counters = r.part_ml + launch.align(rows * 2 * 4)              # float2 part_ml[rows]
             r.nbytes = r.counters + launch.align(p.token_count * counters_per_token * 4)  # int counters
+        r.lse = -1  # qk_output=2 without return_lse: the rows' lse for the finish kernel, in the workspace
+        if a.qk_output == 2 and not a.return_lse:
+            r.lse = r.nbytes
+            r.nbytes = r.lse + launch.align(p.token_count * p.num_heads * 4)
         common = (POINTER,) * len(_DECODE_POINTERS) + (i32(p.num_heads), i32(p.kv_num_heads))
         tail = (
             i32(p.batch_size), i32(p.num_blocks), i32(p.block_size), i32(p.max_blocks_per_seq), i32(chunk),
@@ -204,14 +233,16 @@ class DecodeBackend(CudaBackend):
             i32(types.QUANT_CODE[p.v_quant]), i32(passthrough))
         grid = (p.token_count, p.kv_num_heads * head_chunks, num_splits)
         kernel = jit.get_kernel(self._spec(p, device, options))
+        decode_pointers = ((_I["query"],) + _DECODE_POINTERS[1:]) if passthrough else _DECODE_POINTERS
         if uses_mma(p):
             shared = mma_shared_bytes(p.head_size, p.quantized, self._stages(p, device, options), p.packed)
             launch.ensure_shared_memory(kernel, shared)
-            decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + tail, shared_mem=shared)
+            qk = (POINTER, i32(a.qk_output), i32(p.kv_capacity if a.qk_output else 0))  # output_qk, qk_mode, qk_width
+            decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + tail + qk, shared_mem=shared)
+            decode_pointers += (_QK,)
         else:
             decode = launch.Launcher(kernel, grid, (DECODE_THREADS,), common + (i32(p.head_size),) + tail)
         r.split = num_splits > 1
-        decode_pointers = ((_I["query"],) + _DECODE_POINTERS[1:]) if passthrough else _DECODE_POINTERS
         # The decode kernel waits for the prologue in every CTA (grid_dependency_wait): programmatic launch.
         # No prologue where it would only store rows and none is stored (no Q rows, no split counters).
         if passthrough and not r.split and not plan.writes:
@@ -219,21 +250,48 @@ class DecodeBackend(CudaBackend):
         else:
             prologue = prologue_launcher(p, device, options, counters_per_token)
             steps = [(prologue, _PROLOGUE_POINTERS), (decode, decode_pointers, True)]
+        if a.qk_output:
+            steps.append((self._qk_finish(p, chunk), _FINISH_POINTERS))
         r.launches = launch.Sequence(steps, _NPOINTERS, route=options.launch, pdl=launch.pdl_allowed(device, options))
         return r
+
+    @staticmethod
+    def _qk_finish(p: Problem, chunk: int) -> "launch.Launcher":
+        """paged_general_finish in its one-split form: output_qk's entries outside each row's admitted range (zeros)
+        and, under qk_output=2, probabilities from the lse the decode kernel wrote."""
+        a = p.attrs
+        return launch.Launcher(
+            jit.get_kernel(registry.general_finish_spec(p.dtype)), qk_finish_grid(p), (FINISH_WARPS * 32,),
+            (POINTER,) * len(_FINISH_POINTERS) + (
+                i32(p.token_count), i32(p.num_heads), i32(p.kv_num_heads), i32(p.head_size), i32(p.v_head_size),
+                i32(p.batch_size), np.int64(p.static_kv_capacity), i32(chunk), i32(1),
+                i32(p.rotary_max_pos if p.rotary_dim else 0), i32(a.local_window_size), i32(a.is_causal),
+                i32(types.QUANT_CODE[p.v_quant]), i32(0), i32(0), i32(a.qk_output), i32(p.kv_capacity)))
+
+
+def launch_pointers(r: "_Recipe", call, base: int) -> list:
+    """The pointer list of a call's launches: the call's pointers, then the workspace's parts (at ``base``), the
+    output, lse (the call's, or a workspace row under qk_output=2), output_qk and a null pointer."""
+    lse = call.lse_ptr or (base + r.lse if r.lse >= 0 else 0)
+    if r.split:
+        return call.ptrs + [base, call.output_ptr, base + r.part_o, base + r.part_ml, base + r.counters, lse,
+                            call.qk_ptr, 0]
+    return call.ptrs + [base, call.output_ptr, 0, 0, 0, lse, call.qk_ptr, 0]
 
 
 class _Recipe:
     """The launches of one problem on one device (prologue, then decode, whose last split CTA of each
-    token merges the splits) and the workspace layout: ``nbytes`` in all, Q first, then (``split``) the
-    split partials and arrival counters at byte offsets ``part_o``, ``part_ml``, ``counters``."""
+    token merges the splits, then under output_qk the finish kernel) and the workspace layout: ``nbytes`` in
+    all, Q first, then (``split``) the split partials and arrival counters at byte offsets ``part_o``,
+    ``part_ml``, ``counters``, then (``lse`` >= 0) the rows' lse of a qk_output=2 call that does not return it."""
 
-    __slots__ = ("launches", "split", "nbytes", "part_o", "part_ml", "counters")
+    __slots__ = ("launches", "split", "nbytes", "part_o", "part_ml", "counters", "lse")
 
 
-# Pointer arguments, as positions in Call.ptrs extended by [q workspace, output, part_o, part_ml, counters, lse].
-_Q_WS, _OUT, _PART_O, _PART_ML, _COUNTERS, _LSE = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 6)
-_NPOINTERS = len(launch.PTR_INDEX) + 6
+# Pointer arguments, as positions in Call.ptrs extended by
+# [q workspace, output, part_o, part_ml, counters, lse, output_qk, a null pointer].
+_Q_WS, _OUT, _PART_O, _PART_ML, _COUNTERS, _LSE, _QK, _NULL = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 8)
+_NPOINTERS = len(launch.PTR_INDEX) + 8
 _I = launch.PTR_INDEX
 _PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS, _COUNTERS)
 # paged_decode / paged_decode_mma: q, key_cache, value_cache, cum, past, block_table, query_positions,
@@ -241,6 +299,11 @@ _PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS, _COUNTERS)
 _DECODE_POINTERS = (_Q_WS, _I["key_cache"], _I["value_cache"], _I["cumulative_sequence_length"],
                     _I["past_seqlens"], _I["block_table"], _I["query_positions"], _I["head_sink"], _I["k_scale"],
                     _I["v_scale"], _OUT, _PART_O, _PART_ML, _COUNTERS, _LSE)
+
+# paged_general_finish in its one-split form: cum, past, query_positions, head_sink, v_scale, attention_bias (null),
+# part_o and part_ml (null), out, output_qk, lse
+_FINISH_POINTERS = (_I["cumulative_sequence_length"], _I["past_seqlens"], _I["query_positions"], _I["head_sink"],
+                    _I["v_scale"], _NULL, _NULL, _NULL, _OUT, _QK, _LSE)
 
 
 BACKEND = DecodeBackend()

@@ -162,6 +162,12 @@ def workspace_layout(problem: Problem, plan: dict, itemsize: int) -> dict:
     return layout
 
 
+def _servers(feature: str) -> tuple:
+    """The backends :data:`FEATURES` names as serving ``feature``."""
+    where = FEATURES[feature][1]
+    return where if isinstance(where, tuple) else (where,) if where else ()
+
+
 class GeneralBackend(CudaBackend):
     """Every call, on tensor cores or CUDA cores (:func:`launch_plan`); preferred only for the features no fused
     backend serves."""
@@ -188,8 +194,10 @@ class GeneralBackend(CudaBackend):
 
     def preferred(self, problem: Problem, device: DeviceInfo = None, options: Options = None) -> bool:
         # Every call is served here, but a fused backend is faster where it serves: prefer only the calls that use
-        # a feature this backend is the one to serve (FEATURES names who does; LATENT alone is the MLA backend's).
-        return any(FEATURES[f][1] == self.name for f in features_of(problem))
+        # a feature this backend serves (FEATURES names who does; LATENT alone is the MLA backend's). Backends
+        # earlier in priority order that serve the feature too and prefer the call take it first (output_qk:
+        # the decode backend's decode-shaped calls).
+        return any(self.name in _servers(f) for f in features_of(problem))
 
     def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
         p, plan = problem, launch_plan(problem, device)

@@ -32,12 +32,18 @@ def decode_spec(dtype: str, cache_kind: str, head_chunk: int, v_cache_kind: str 
 
 
 def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, stages: int, keys_as_m: bool = False,
-                    v_cache_kind: str = None) -> Specialization:
+                    v_cache_kind: str = None, qk: bool = False) -> Specialization:
     """``stages``: the K/V pipeline depth (STAGES in decode_mma.cu); ``keys_as_m``: the quantized caches' loop with
-    keys as the MMA's M dimension (GQA groups of <= 8 heads)."""
+    keys as the MMA's M dimension (GQA groups of <= 8 heads); ``qk``: the instance that also writes output_qk's
+    scores (head-major loop only)."""
+    if qk and keys_as_m:
+        raise ValueError("decode_mma_spec: the output_qk instances use the head-major loop (keys_as_m=False)")
+    v_arg = types.v_cache_arg(cache_kind, v_cache_kind, dtype)
+    if qk:  # VCache spelled out before the trailing QK argument
+        v_arg = f", {types.cache(v_cache_kind or cache_kind, dtype)}, true"
     return Specialization(
         "decode_mma", f"paged_decode_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, "
-                      f"{stages}, {'true' if keys_as_m else 'false'}{types.v_cache_arg(cache_kind, v_cache_kind, dtype)}>")
+                      f"{stages}, {'true' if keys_as_m else 'false'}{v_arg}>")
 
 
 def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple, v_cache_kind: str = None) -> Specialization:

@@ -159,8 +159,8 @@ def test_decode_graph_capture(cp, rng):
 @pytest.mark.parametrize("feature", ["bias", "qk_output", "latent"])
 def test_decode_backend_declines_what_it_does_not_serve(cp, rng, feature):
     """Named, the decode backend raises a PagedAttentionError naming the feature (auto gives such calls to
-    the mla or general backend)."""
-    inputs, attrs = util.build(rng, B=2, H=4, Hk=1, D=64)
+    the mla or general backend); output_qk it serves with 16-bit caches only (tests/gpu/test_decode_qk.py)."""
+    inputs, attrs = util.build(rng, B=2, H=4, Hk=1, D=64, cache="int8" if feature == "qk_output" else "T")
     attrs["options"] = cupa.Options(backend="decode")
     dev = util.to_device(cp, inputs)
     if feature == "bias":
