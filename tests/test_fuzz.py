@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cupa
-from tests import fuzz
+from tests import fuzz, util
 
 
 def test_configurations_are_valid_calls_of_every_kind():
@@ -12,15 +12,18 @@ def test_configurations_are_valid_calls_of_every_kind():
     seen = set()
     for seed in range(1, 201):
         inputs, attrs, metadata, desc = fuzz.draw(seed)
-        out = cupa.paged_attention(**inputs, attention_metadata=metadata, **attrs)
+        out, qk, lse = util.split_result(cupa.paged_attention(**inputs, attention_metadata=metadata, **attrs),
+                                         desc["qk_output"], desc["return_lse"])
         assert np.isfinite(out.astype(np.float32)).all() or desc["cache"] != "T", desc
+        assert (qk is not None) == bool(desc["qk_output"]) and (lse is not None) == desc["return_lse"]
         seen.update(desc["notes"])
+        seen.update({f"qk_output={desc['qk_output']}", f"return_lse={desc['return_lse']}"})
         seen.update({f"cache={desc['cache']}", f"dtype={desc['dtype']}", f"bs={desc['block_size']}"})
         if desc["v_cache"] != desc["cache"]:
             seen.add("mixed 4-bit kinds")
     for want in ("decode", "prefill", "chunked", "mixed", "slot_mapping", "negative past", "empty cache",
                  "tight metadata", "cache=int8", "cache=fp8", "cache=int4", "cache=fp4", "dtype=bfloat16", "bs=1",
-                 "bs=17"):
+                 "bs=17", "qk_output=1", "qk_output=2", "return_lse=True"):
         assert want in seen, (want, sorted(seen))
     assert "mixed 4-bit kinds" in seen
 
