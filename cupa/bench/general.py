@@ -11,10 +11,9 @@ output_qk call runs on the decode backend).
 - decode: B=8, L=8192 (fp16, GQA 32/8, D=128, block 16) with qk_output=2 (the probabilities, a (32, 8,
   8192) float32 output_qk). cupa's entry is the qk_output=2 call (the decode backend); the variants are
   qk_output=1, a (B, H, 1, L) bias, the general backend with neither, and the fused decode without
-  output_qk. The floor is
-  the fused decode's time plus output_qk's bytes at the write bandwidth measured in the same run (a
-  2 GiB cudaMemsetAsync, timed like every call: L2 flushed before each run); ``ratio_to_floor`` = time / floor
-  (target <= 1.5).
+  output_qk. The floor is the fused decode's time plus output_qk's bytes at the write bandwidth measured
+  in the same run (a 2 GiB cudaMemsetAsync, timed like every call: L2 flushed before each run);
+  ``ratio_to_floor`` = time / floor (target <= 1.5).
 - latent: LATENT 576/512, H=16, B=8, L=4096, block 64 with a (1, 1, 1, 4096) bias (informative, no
   target), beside the same call without bias.
 
