@@ -230,9 +230,14 @@ def check_one(seed: int, only=None, malformed_only: bool = False, skip=()) -> di
             _, got_qk, got_lse = util.split_result(result, qk_mode, with_lse)
             host = cp.asnumpy(out)
             problems = []
+            want_qk, want_lse = ref_qk, ref_lse
+            if qk_mode or with_lse:  # over the caches as this backend wrote them (util.qk_and_lse_reference)
+                _, want_qk, want_lse = util.qk_and_lse_reference(
+                    (ref, ref_qk, ref_lse), inputs, ref_in, (cp.asnumpy(dev["key_cache"]), cp.asnumpy(dev["value_cache"])),
+                    dict(attrs, qk_output=qk_mode, return_lse=with_lse), metadata=metadata)
             for what, got, want, check in (
-                    ("output_qk", got_qk, ref_qk, util.assert_rows_close if qk_mode == 2 else util.assert_elementwise),
-                    ("lse", got_lse, ref_lse, util.assert_elementwise)):
+                    ("output_qk", got_qk, want_qk, util.assert_rows_close if qk_mode == 2 else util.assert_elementwise),
+                    ("lse", got_lse, want_lse, util.assert_elementwise)):
                 if want is None:
                     continue
                 try:

@@ -129,22 +129,9 @@ def _lse_reference(inputs, attrs):
     return cupa.paged_attention(**ref_in, **util.host_attrs(attrs), return_lse=True)
 
 
-def _lse_over_written_caches(monkeypatch, inputs, attrs, key_cache, value_cache):
-    """The reference's lse over the caches as a backend wrote them (host copies): the written values may
-    differ from the reference's by one unit or one code (contract §6), which moves an lse by more than
-    fp32 arithmetic does."""
-    from cupa import reference
-
-    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
-    ref_in.update(key_cache=key_cache, value_cache=value_cache)
-    with monkeypatch.context() as m:
-        m.setattr(reference, "_write_cache", lambda *a, **k: None)  # (the new rows are in them already)
-        return cupa.paged_attention(**ref_in, **util.host_attrs(attrs), return_lse=True)[1]
-
-
 @pytest.mark.parametrize("case", sorted(LSE_CASES))
 @pytest.mark.parametrize("backend", dispatch.CUDA_BACKENDS)
-def test_return_lse_on_every_backend(cp, rng, monkeypatch, case, backend):
+def test_return_lse_on_every_backend(cp, rng, case, backend):
     inputs, attrs = util.build(rng, **LSE_CASES[case])
     attrs = util.with_options(attrs, backend=backend)
     dev = util.to_device(cp, inputs)
@@ -158,8 +145,8 @@ def test_return_lse_on_every_backend(cp, rng, monkeypatch, case, backend):
     out, lse = op(**dev)
     host = cp.asnumpy(out)
     assert util.rel_err(host, want_out) < util.TOLERANCE[problem.dtype]
-    written = _lse_over_written_caches(monkeypatch, inputs, attrs, cp.asnumpy(dev["key_cache"]),
-                                       cp.asnumpy(dev["value_cache"]))
+    written = util.reference_over_written_caches(inputs, dict(util.host_attrs(attrs), return_lse=True),
+                                                 cp.asnumpy(dev["key_cache"]), cp.asnumpy(dev["value_cache"]))[1]
     # A per-channel K scale is folded into Q, rounded to T (cuda_src/prefill.cu and decode_mma.cu; the
     # general backend's lse agrees with theirs): each product of a score carries T's rounding (2^-11
     # relative for fp16, as the output's 2e-3 of contract §6 does), so a score, and the lse it
