@@ -42,19 +42,20 @@ template <> struct GeneralMmaConfig<64> { static constexpr int KEYS = 64, STAGES
 template <> struct GeneralMmaConfig<128> { static constexpr int KEYS = 64, STAGES = 2; };
 template <> struct GeneralMmaConfig<256> { static constexpr int KEYS = 32, STAGES = 2; };
 
-template <typename T, typename Cache, int D>
+template <typename T, typename Cache, int D, bool QSPLIT = false>
 struct GeneralMmaSmem {
   using C = typename Cache::storage;
   static constexpr int KEYS = GeneralMmaConfig<D>::KEYS;
   static constexpr int NST = GeneralMmaConfig<D>::STAGES;
   static constexpr int q_bytes = GMMA_ROWS * D * 2;                              // Q tile, then the output tile
+  static constexpr int q_lo_bytes = QSPLIT ? q_bytes : 0;                         // (QSPLIT) the rest of Q x K scale
   static constexpr int stage_bytes = 2 * KEYS * D * (int)sizeof(C);               // K and V tiles as stored
   static constexpr int wide_bytes = Cache::quantized ? 2 * KEYS * D * 2 : 0;      // widened K and V
   static constexpr int rows_bytes = (NST + 1) * KEYS * 8;                         // row byte offsets, a tile ahead
   static constexpr int bytes_bytes = (NST + 1) * KEYS * 4;                        // copy sizes (16 or 0: masked)
   static constexpr int mapped_bytes = (NST + 1) * (KEYS / 32) * 4;                // mapped-key bit masks
   static constexpr int align_pad = 128;  // the dynamic region is rounded up to a 128-byte boundary
-  static constexpr int total = q_bytes + NST * stage_bytes + wide_bytes + rows_bytes + bytes_bytes + mapped_bytes +
+  static constexpr int total = q_bytes + q_lo_bytes + NST * stage_bytes + wide_bytes + rows_bytes + bytes_bytes + mapped_bytes +
                                align_pad;
 };
 
@@ -70,7 +71,9 @@ CUPA_DEVICE void general_zero_pass(T* out, float* lse, const int* cum, int batch
   prefill_zero_pass<T, WARPS>(out, cum, batch_size, token_count, num_heads, head_size);
 }
 
-template <typename T, typename Cache, int D>
+// QSPLIT (quantized caches with per-channel K scales, where the shared memory allows its second Q tile):
+// Q x scale as two T values (see the Q rows).
+template <typename T, typename Cache, int D, bool QSPLIT = false>
 __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
     const T* __restrict__ q,  // (N, H, D): prologue output, or `query` itself
     const typename Cache::storage* __restrict__ key_cache, const typename Cache::storage* __restrict__ value_cache,
@@ -82,7 +85,8 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
     int zero_ctas, int num_tiles, int chunk, int num_splits, int rotary_max_pos, float scale, float softcap,
     int window, int is_causal, int k_quant, int v_quant, int bias_batch, int bias_heads, int bias_q, int bias_k,
     int qk_mode, int kv_capacity) {
-  using L = GeneralMmaSmem<T, Cache, D>;
+  static_assert(!QSPLIT || Cache::quantized, "QSPLIT: a quantized cache");
+  using L = GeneralMmaSmem<T, Cache, D, QSPLIT>;
   using C = typename Cache::storage;
   constexpr int WARPS = GMMA_WARPS, THREADS = WARPS * 32, ROWS = GMMA_ROWS, KEYS = L::KEYS, NST = L::NST;
   constexpr int MASK_WORDS = KEYS / 32, NT = KEYS / 8;
@@ -104,7 +108,8 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
   constexpr int LOCATORS = ROWS / 32;   // the warps that locate the rows (thread r: row r)
   __shared__ int sRangeLo[LOCATORS], sRangeHi[LOCATORS];  // per locating warp: the union of its rows' ranges
   T* sQ = reinterpret_cast<T*>(smem);
-  unsigned char* stages = smem + L::q_bytes;
+  T* sQlo = reinterpret_cast<T*>(smem + L::q_bytes);  // (QSPLIT) see the Q rows below
+  unsigned char* stages = smem + L::q_bytes + L::q_lo_bytes;
   T* sKw = reinterpret_cast<T*>(stages + NST * L::stage_bytes);  // widened tiles (quantized only)
   T* sVw = sKw + KEYS * D;
   long long* sRows = reinterpret_cast<long long*>(stages + NST * L::stage_bytes + L::wide_bytes);
@@ -158,7 +163,10 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
   if (!direct && ntiles == 0) return;  // no row of this CTA has a key in this split: no partial state to write
 
   // Q rows; rows without admitted keys are zero (as in prefill.cu: cp.async with the first K/V tile, or
-  // through registers with a per-channel K scale folded in).
+  // through registers with a per-channel K scale folded in). q x scale is not a T value: QSPLIT keeps it as
+  // two, sQ (rounded to T) and sQlo (the rest, rounded to T), and the scores take both products, so they
+  // carry 2^-16 (bf16) or 2^-22 (fp16) of relative rounding instead of T's own 2^-8 or 2^-11 per product.
+  const bool q_split = QSPLIT && k_quant == QUANT_PER_CHANNEL;
   if (ntiles > 0) {
     if (k_quant == QUANT_PER_CHANNEL) {
       for (int c = tid; c < ROWS * (D / 8); c += THREADS) {
@@ -171,7 +179,18 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
 #pragma unroll
           for (int i = 0; i < 8; ++i) v[i] *= k_scale[g * D + col + i];
         }
-        store8(sQ + swz<D>(r, col), v);
+        if constexpr (QSPLIT) {
+          float hi[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            hi[i] = round_to<T>(v[i]);
+            v[i] -= hi[i];  // exact in float32
+          }
+          store8(sQ + swz<D>(r, col), hi);
+          store8(sQlo + swz<D>(r, col), v);
+        } else {
+          store8(sQ + swz<D>(r, col), v);
+        }
       }
     } else {
       for (int c = tid; c < ROWS * (D / 8); c += THREADS) {
@@ -348,8 +367,9 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
     for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      unsigned qa[4];
+      unsigned qa[4], qa_lo[4];
       ldsm_x4(qa, step_addr(q_lane, kk));
+      if (q_split) ldsm_x4(qa_lo, step_addr(q_lane + L::q_bytes, kk));
       const unsigned ka = step_addr(k_base, kk);
 #pragma unroll
       for (int j2 = 0; j2 < KEYS / 16; ++j2) {
@@ -357,6 +377,10 @@ __global__ void __launch_bounds__(GMMA_WARPS * 32, 2) paged_general_mma(
         ldsm_x4(bk, ka + j2 * 16 * ROW_BYTES);
         Mma<T>::run(s[2 * j2], qa, bk[0], bk[1]);
         Mma<T>::run(s[2 * j2 + 1], qa, bk[2], bk[3]);
+        if (q_split) {
+          Mma<T>::run(s[2 * j2], qa_lo, bk[0], bk[1]);
+          Mma<T>::run(s[2 * j2 + 1], qa_lo, bk[2], bk[3]);
+        }
       }
     }
 

@@ -125,8 +125,28 @@ def test_tensor_core_kernel_fits_every_device_it_runs_on(rng, cc, dtype, D, cach
     p = problem_of(rng, dtype=dtype, D=D, cache=cache, bias=(True, False))
     assert general.uses_mma(p, device)
     plan = general.launch_plan(p, device)
-    assert plan["kernel"] == "mma" and plan["shared"] == general.mma_shared_bytes(p)
+    assert plan["kernel"] == "mma" and plan["shared"] == general.mma_shared_bytes(p, plan["q_split"])
     assert plan["shared"] + general.MMA_STATIC_SHARED <= device.shared_per_block_optin
+    # the second Q tile of a per-channel K scale wherever it fits (problem_of: PER_CHANNEL scales)
+    fits = general.mma_shared_bytes(p, True) + general.MMA_STATIC_SHARED <= device.shared_per_block_optin
+    assert plan["q_split"] == (cache != "T" and fits)
+
+
+def test_q_split_where_the_shared_memory_allows_it(rng):
+    """Q x a per-channel K scale as two T values (QSPLIT): quantized caches with per-channel K scales, on devices
+    with room for the second Q tile (all head sizes on sm_80/90/100; head_size 64 only on the 99 KB GPUs);
+    never for T caches or per-tensor scales; the launch names the QSPLIT instance."""
+    small = describe_capability(8, 9)
+    for D, on_small in ((64, True), (128, False), (256, False)):
+        p = problem_of(rng, D=D, cache="int8", bias=(True, False))
+        assert general.launch_plan(p, H200)["q_split"]
+        assert general.launch_plan(p, small)["q_split"] == on_small
+        assert general.launch_plan(p, small)["kernel"] == "mma"
+        assert general.mma_shared_bytes(p, True) == general.mma_shared_bytes(p) + 64 * D * 2
+    assert not general.launch_plan(problem_of(rng, D=128, cache="fp8", k_quant="PER_TENSOR", bias=(True, False)),
+                                   H200)["q_split"]
+    assert not general.launch_plan(problem_of(rng, D=128, bias=(True, False)), H200)["q_split"]
+    assert registry.general_mma_spec("bfloat16", "int8", 128, True).name_expression.endswith(", 128, true>")
 
 
 def test_tensor_core_shared_memory_mirrors_the_kernel(rng):
@@ -238,7 +258,7 @@ def test_every_launch_is_a_registered_specialization(rng):
                FEATURE_CASES["latent_576"], dict(FEATURE_CASES["latent_576"], cache="fp8", k_quant="PER_TENSOR")):
         p = problem_of(rng, bias=(False, False), **kw)
         plan = general.launch_plan(p, H200)
-        spec = (registry.general_mma_spec(p.dtype, p.cache_kind, p.head_size) if plan["kernel"] == "mma" else
+        spec = (registry.general_mma_spec(p.dtype, p.cache_kind, p.head_size, plan["q_split"]) if plan["kernel"] == "mma" else
                 registry.general_simt_spec(p.dtype, p.cache_kind, plan["head_chunk"], plan["chunks_per_lane"]))
         assert {spec, registry.general_finish_spec(p.dtype), registry.prologue_spec(p.dtype, p.cache_kind)} <= specs
 

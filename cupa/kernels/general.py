@@ -63,16 +63,26 @@ MAX_GRID_YZ = (1 << 16) - 1
 CAPABILITY = (8, 0)
 
 
-def mma_shared_bytes(problem: Problem) -> int:
-    """Dynamic shared memory of paged_general_mma (mirrors GeneralMmaSmem in general_mma.cu)."""
+def mma_shared_bytes(problem: Problem, q_split: bool = False) -> int:
+    """Dynamic shared memory of paged_general_mma (mirrors GeneralMmaSmem in general_mma.cu); ``q_split``: the
+    QSPLIT instance's (a second Q tile)."""
     D = problem.head_size
     keys, stages = MMA_TILES[D]
     code = 1 if problem.quantized else 2
     q_bytes = MMA_ROWS * D * 2
+    q_lo = q_bytes if q_split else 0
     stage = 2 * keys * D * code
     wide = 2 * keys * D * 2 if problem.quantized else 0
     tables = (stages + 1) * keys * (8 + 4) + (stages + 1) * (keys // 32) * 4
-    return q_bytes + stages * stage + wide + tables + 128
+    return q_bytes + q_lo + stages * stage + wide + tables + 128
+
+
+def mma_q_split(problem: Problem, device: DeviceInfo) -> bool:
+    """Whether the tensor-core kernel keeps Q x the K scale as two T values: a quantized cache with per-channel K
+    scales, where the second Q tile fits the device's shared memory (on 99 KB GPUs it does not at head_size 128
+    and 256, and Q x scale is rounded to T once)."""
+    return (problem.quantized and problem.k_quant == "PER_CHANNEL"
+            and mma_shared_bytes(problem, True) + MMA_STATIC_SHARED <= device.shared_per_block_optin)
 
 
 def mma_fits(problem: Problem, device: DeviceInfo) -> bool:
@@ -128,9 +138,10 @@ def launch_plan(problem: Problem, device: DeviceInfo) -> dict:
         tiles = mma_tiles(p)
         chunk, splits = split_plan(p, tiles * p.kv_num_heads, device.sm_count)
         zero = mma_zero_ctas(p) if splits == 1 else 0  # with splits the finish kernel writes every row
+        q_split = mma_q_split(p, device)
         plan.update(kernel="mma", num_tiles=tiles, zero_ctas=zero, grid=(zero + tiles * p.kv_num_heads, splits),
-                    block=(MMA_THREADS,), shared=mma_shared_bytes(p), keys=MMA_TILES[p.head_size][0],
-                    stages=MMA_TILES[p.head_size][1])
+                    block=(MMA_THREADS,), shared=mma_shared_bytes(p, q_split), keys=MMA_TILES[p.head_size][0],
+                    stages=MMA_TILES[p.head_size][1], q_split=q_split)
     else:
         gt, cpl = simt_shape(p)
         chunks = p.kv_num_heads * math.ceil(p.group_size / gt)
@@ -230,6 +241,8 @@ class GeneralBackend(CudaBackend):
                     specs.extend(registry.general_simt_spec(dtype, kind, gt, cpl) for gt in chunks)
                 if dtype in MMA_DTYPES:
                     specs.extend(registry.general_mma_spec(dtype, kind, d) for d in MMA_HEAD_SIZES)
+                    if kind != "T":
+                        specs.extend(registry.general_mma_spec(dtype, kind, d, True) for d in MMA_HEAD_SIZES)
             specs.append(registry.general_finish_spec(dtype))
         return specs
 
@@ -272,7 +285,7 @@ class GeneralBackend(CudaBackend):
                  *(i32(d) for d in bias_dims), i32(a.qk_output), i32(p.kv_capacity))
         pointers = (POINTER,) * len(_ATTEND)
         if plan["kernel"] == "mma":
-            spec = registry.general_mma_spec(p.dtype, p.cache_kind, p.head_size)
+            spec = registry.general_mma_spec(p.dtype, p.cache_kind, p.head_size, plan["q_split"])
             scalars = (i32(p.token_count), i32(p.num_heads), i32(p.kv_num_heads), i32(p.batch_size), i32(p.num_blocks),
                        i32(p.block_size), i32(p.max_blocks_per_seq), i32(plan["zero_ctas"]), i32(plan["num_tiles"]),
                        i32(plan["chunk"]), i32(plan["num_splits"]))

@@ -62,10 +62,12 @@ def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:
         arch="sm_90a")
 
 
-def general_mma_spec(dtype: str, cache_kind: str, head_size: int) -> Specialization:
-    """The general backend's tensor-core kernel (attention_bias, output_qk, lse; cuda_src/general_mma.cu)."""
+def general_mma_spec(dtype: str, cache_kind: str, head_size: int, q_split: bool = False) -> Specialization:
+    """The general backend's tensor-core kernel (attention_bias, output_qk, lse; cuda_src/general_mma.cu);
+    ``q_split``: Q x a per-channel K scale as two T values (quantized caches)."""
+    extra = ", true" if q_split else ""
     return Specialization(
-        "general_mma", f"paged_general_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>")
+        "general_mma", f"paged_general_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}{extra}>")
 
 
 def general_simt_spec(dtype: str, cache_kind: str, head_chunk: int, chunks_per_lane: int) -> Specialization:
