@@ -11,7 +11,8 @@ Only the public API of the tree under test is used (``cupa.PagedAttention``, ``c
 same script times older trees. The timer is this repository's (cupa/bench/timing.py, loaded by path):
 CUDA events, L2 flushed before each run, median of ``--reps`` runs. Each case is checked against the
 tree's own output of the first run (bit-identical across runs), and the JSON records the tree's git
-commit when ``--commit`` is given.
+commit when ``--commit`` is given. The quantized decode cases (QUANT_CASES) come from the tree's own
+``cupa.bench.cases``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ CASES = {
     "chunked B=8 past=8192 q=512 bs=16 (prefill_wgmma)": (8, 512, 8192, 16, "prefill_wgmma"),
     "prefill B=4 q=2048 bs=256 (prefill)": (4, 2048, 0, 256, "prefill"),
     "chunked B=8 past=8192 q=512 bs=16 (prefill)": (8, 512, 8192, 16, "prefill"),
+}
+
+#: name -> keyword arguments of the tree's cupa.bench.cases.decode(64, 4096, ...): quantized decode
+QUANT_CASES = {
+    "decode B=64 L=4096 int4 per channel": dict(cache="int4", quant="PER_CHANNEL"),
+    "decode B=64 L=4096 e2m1 per channel": dict(cache="float4e2m1", quant="PER_CHANNEL"),
+    "decode B=64 L=4096 int4 per channel bf16": dict(cache="int4", quant="PER_CHANNEL", dtype="bfloat16"),
+    "decode B=64 L=4096 int8 per channel": dict(cache="int8", quant="PER_CHANNEL"),
+    "decode B=64 L=4096 fp8 per tensor": dict(cache="fp8", quant="PER_TENSOR"),
 }
 
 
@@ -92,6 +102,22 @@ def main(argv=None) -> int:
         result["cases"][name] = entry
         print(f"{args.label}: {name}: {entry['median_us']:.1f} us", flush=True)
         del inputs, first, again
+        cp.get_default_memory_pool().free_all_blocks()
+    from cupa.bench import cases
+
+    for name, kw in QUANT_CASES.items():
+        if args.cases not in name:
+            continue
+        built = cases.build(cases.decode(64, 4096, **kw), cp)
+        op = cupa.PagedAttention(**built.attributes)
+        inputs = built.call_inputs()
+        first = op(**inputs)
+        cp.cuda.Device().synchronize()
+        entry = timer.time_us(lambda: op(**inputs), reps=args.reps)
+        entry["same_output"] = bool(cp.array_equal(first, op(**inputs)))
+        result["cases"][name] = entry
+        print(f"{args.label}: {name}: {entry['median_us']:.1f} us", flush=True)
+        del built, inputs, first
         cp.get_default_memory_pool().free_all_blocks()
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -143,9 +143,8 @@ CUPA_DEVICE void load_v_code4(const unsigned char* sVc, int warp, int lane, unsi
   }
 }
 
-// The D/32 words of 4-bit K codes lane c of a quad reads from its key row `key` (bytes c*D/8 ..).
-template <int D> CUPA_DEVICE void load_k_code4(const unsigned char* sKc, int key, int c, unsigned (&w)[D / 32]) {
-  const unsigned char* src = sKc + key * (D / 2) + c * (D / 8);
+// The D/32 words of 4-bit K codes at src (a lane's D/8 bytes of a key row).
+template <int D> CUPA_DEVICE void load_k_words4(const unsigned char* src, unsigned (&w)[D / 32]) {
   if constexpr (D == 128) {
     const uint4 v = *reinterpret_cast<const uint4*>(src);
     w[0] = v.x;
@@ -158,6 +157,20 @@ template <int D> CUPA_DEVICE void load_k_code4(const unsigned char* sKc, int key
     w[1] = v.y;
   }
 }
+
+// Widen8<T, Cache> (quant.cuh) with its constants in registers the CTA holds: ptxas would otherwise
+// rebuild a two-constant mask-or's constant before every use. `zero` is 0 at run time (min(num_heads,
+// 0)) but not to the compiler, and the shuffle keeps the value from being recomputed.
+template <typename T, typename Cache> struct Widener {
+  CUPA_DEVICE explicit Widener(int) {}
+  CUPA_DEVICE void operator()(unsigned w, unsigned (&r)[4]) const { Widen8<T, Cache>::run(w, r); }
+};
+template <typename T> struct Widener<T, CacheInt4> {
+  unsigned magic;
+  CUPA_DEVICE explicit Widener(int zero)
+      : magic(__shfl_sync(0xffffffffu, Bits4<T>::int4_magic | (unsigned)zero, 0)) {}
+  CUPA_DEVICE void operator()(unsigned w, unsigned (&r)[4]) const { Widen8<T, CacheInt4>::run(w, r, magic); }
+};
 
 // Two 16-bit T values as one fragment register (lo in the low half).
 template <typename T> CUPA_DEVICE unsigned pair_bits(T lo, T hi) {
@@ -322,9 +335,10 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   const TileCopy<CODE_BITS, D> copier(tid, reinterpret_cast<const char*>(key_cache),
                                                  reinterpret_cast<const char*>(value_cache));
   const unsigned stages_addr = smem_addr(stages);
-  auto load_tile = [&](int tile) {
-    copier.issue(stages_addr + (tile % NST) * L::stage_bytes, sRows + (tile % (NST + 1)) * KEY_TILE);
+  auto load_tile_at = [&](int tile, int stage) {  // stage == tile % NST
+    copier.issue(stages_addr + stage * L::stage_bytes, sRows + (tile % (NST + 1)) * KEY_TILE);
   };
+  auto load_tile = [&](int tile) { load_tile_at(tile, tile % NST); };
 
   // Q rows (K scale folded in per channel), zero rows past the chunk's heads.
   auto load_q = [&]() {
@@ -392,6 +406,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
   float* cm = reinterpret_cast<float*>(stages);                 // [warp][row]
   float* cl = cm + MMA_WARPS * MMA_ROWS;                         // [warp][row]
   float* co = cl + MMA_WARPS * MMA_ROWS;                         // [warp][row][D]
+  const Widener<T, Cache> widen_k(min(num_heads, 0));  // (4-bit caches)
+  const Widener<T, VCache> widen_v(min(num_heads, 0));
   if constexpr (T8) {
     // Keys as M. Lane (r, c) = (lane / 4, lane % 4) holds scores of keys r and r + 8 of its warp's 16
     // and query heads 2c, 2c + 1 (the n-tile's 8 heads); output channels r * D/8 + 4x + {0, 1}
@@ -403,14 +419,25 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
     for (int mt = 0; mt < MT; ++mt) ot[mt][0] = ot[mt][1] = ot[mt][2] = ot[mt][3] = 0.0f;
     float mh[2] = {CUPA_NEG_INF, CUPA_NEG_INF}, lh[2] = {0.0f, 0.0f};
 
+    // (4-bit) the lane's byte offsets in a stage of its K row (key r; key r + 8 is 8 rows on) and V words
+    const unsigned k4_off = (warp * 16 + r) * (D / 2) + c * (D / 8);
+    unsigned v4_off[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = warp * 16 + 2 * c + (i & 1) + (i >> 1) * 8;
+      v4_off[i] = KEY_TILE * (D / 2) + (D == 128 ? code4_v_offset<D>(key, r >> 1) + ((r & 1) << 3)
+                                                 : code4_v_offset<D>(key, r >> 2) + ((r & 3) << 2));
+      v4_off[i] = __shfl_sync(0xffffffffu, v4_off[i], lane);  // (kept in a register, not recomputed per tile)
+    }
+    int stage = 0;  // tile % NST
     for (int tile = 0; tile < ntiles; ++tile) {
       cp_async_wait<NST - 2>();
       __syncthreads();
-      const int stage = tile % NST;
-      if (tile + NST - 1 < ntiles) load_tile(tile + NST - 1);
+      if (tile + NST - 1 < ntiles) load_tile_at(tile + NST - 1, stage == 0 ? NST - 1 : stage - 1);
       cp_async_commit();
       if (tile + NST < ntiles) find_rows(tile + NST);  // read after the next barrier
       const unsigned char* st = stages + stage * L::stage_bytes;
+      stage = stage == NST - 1 ? 0 : stage + 1;
 
       // S^T = K Q^T: one 16-byte load per key and 64-dim group gives 4 k-steps (the permuted dims
       // of the header); A rows r and r + 8 are keys r and r + 8.
@@ -418,13 +445,13 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
       const int k0 = warp * 16 + r;
       if constexpr (PACKED) {  // keys r, r + 8: a word of each per two k-steps (Widen8 pairs, see the header)
         unsigned w0[D / 32], w1[D / 32];
-        load_k_code4<D>(st, k0, c, w0);
-        load_k_code4<D>(st, k0 + 8, c, w1);
+        load_k_words4<D>(st + k4_off, w0);
+        load_k_words4<D>(st + k4_off + 8 * (D / 2), w1);
 #pragma unroll
         for (int x = 0; x < D / 32; ++x) {
           unsigned a0[4], a1[4];
-          Widen8<T, Cache>::run(w0[x], a0);
-          Widen8<T, Cache>::run(w1[x], a1);
+          widen_k(w0[x], a0);
+          widen_k(w1[x], a1);
           const unsigned lo[4] = {a0[0], a1[0], a0[1], a1[1]}, hi[4] = {a0[2], a1[2], a0[3], a1[3]};
           Mma<T>::run(sc, lo, qf[2 * x][0], qf[2 * x][2]);
           Mma<T>::run(sc, hi, qf[2 * x + 1][0], qf[2 * x + 1][2]);
@@ -486,15 +513,24 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
         // Word x: channels 8x + 0..7 of the lane's D/8; m-tile 4x + q has channels 8x + 2q (row r) and
         // 8x + 2q + 1 (row r + 8), keys (2c, 2c+1 | 2c+8, 2c+9) from the two prmt-joined key pairs.
         unsigned w[4][D / 64];
-        load_v_code4<D>(st + KEY_TILE * (D / 2), warp, lane, w);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (D == 128) {
+            const uint2 v = *reinterpret_cast<const uint2*>(st + v4_off[i]);
+            w[i][0] = v.x;
+            w[i][1] = v.y;
+          } else {
+            w[i][0] = *reinterpret_cast<const unsigned*>(st + v4_off[i]);
+          }
+        }
 #pragma unroll
         for (int x = 0; x < D / 64; ++x) {
 #pragma unroll
           for (int hlf = 0; hlf < 2; ++hlf) {  // channels 8x + 4hlf + 0..3
             const unsigned sel = hlf ? 0x7632u : 0x5410u;
             unsigned p01[4], p89[4];  // per channel: keys (2c, 2c+1) and (2c+8, 2c+9)
-            Widen8<T, VCache>::run(byte_perm(w[0][x], w[1][x], sel), p01);
-            Widen8<T, VCache>::run(byte_perm(w[2][x], w[3][x], sel), p89);
+            widen_v(byte_perm(w[0][x], w[1][x], sel), p01);
+            widen_v(byte_perm(w[2][x], w[3][x], sel), p89);
             const unsigned a0[4] = {p01[0], p01[1], p89[0], p89[1]}, a1[4] = {p01[2], p01[3], p89[2], p89[3]};
             Mma<T>::run(ot[4 * x + 2 * hlf], a0, pb[0], pb[1]);
             Mma<T>::run(ot[4 * x + 2 * hlf + 1], a1, pb[0], pb[1]);
@@ -563,11 +599,11 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
         for (int j = 0; j < 2; ++j) {
           const int key = warp * 16 + j * 8 + (lane >> 2);
           unsigned w[D / 32];
-          load_k_code4<D>(st, key, lane & 3, w);
+          load_k_words4<D>(st + key * (D / 2) + (lane & 3) * (D / 8), w);
 #pragma unroll
           for (int x = 0; x < D / 32; ++x) {  // k-steps 2x, 2x + 1 (see the header)
             unsigned b[4];
-            Widen8<T, Cache>::run(w[x], b);
+            widen_k(w[x], b);
             Mma<T>::run(s[j], qf[2 * x], b[0], b[1]);
             Mma<T>::run(s[j], qf[2 * x + 1], b[2], b[3]);
           }
@@ -693,8 +729,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, MmaMinCtas<Cache>::value) page
           for (int hlf = 0; hlf < 2; ++hlf) {
             const unsigned sel = hlf ? 0x7632u : 0x5410u;
             unsigned b0[4], b1[4];
-            Widen8<T, VCache>::run(byte_perm(w[0][x], w[1][x], sel), b0);
-            Widen8<T, VCache>::run(byte_perm(w[2][x], w[3][x], sel), b1);
+            widen_v(byte_perm(w[0][x], w[1][x], sel), b0);
+            widen_v(byte_perm(w[2][x], w[3][x], sel), b1);
 #pragma unroll
             for (int e = 0; e < 4; ++e) Mma<T>::run(o[8 * x + 4 * hlf + e], a, b0[e], b1[e]);
           }
