@@ -225,15 +225,6 @@ template <typename T> struct Pair;
 template <> struct Pair<__half> {
   static CUPA_HOST_DEVICE unsigned sub(unsigned a, unsigned b) { return bits_of(__hsub2(of_bits(a), of_bits(b))); }
   static CUPA_HOST_DEVICE unsigned mul(unsigned a, unsigned b) { return bits_of(__hmul2(of_bits(a), of_bits(b))); }
-  static CUPA_HOST_DEVICE unsigned fma(unsigned a, unsigned b, unsigned c) {
-#ifdef __CUDA_ARCH__
-    return bits_of(__hfma2(of_bits(a), of_bits(b), of_bits(c)));
-#else  // (host builds of these headers: through float, exact for the values Widen8 makes)
-    const __half2 x = of_bits(a), y = of_bits(b), z = of_bits(c);
-    return bits_of(__floats2half2_rn(__low2float(x) * __low2float(y) + __low2float(z),
-                                     __high2float(x) * __high2float(y) + __high2float(z)));
-#endif
-  }
   static CUPA_HOST_DEVICE __half2 of_bits(unsigned u) { return *reinterpret_cast<const __half2*>(&u); }
   static CUPA_HOST_DEVICE unsigned bits_of(__half2 h) { return *reinterpret_cast<const unsigned*>(&h); }
 };
@@ -245,22 +236,10 @@ template <> struct Pair<__nv_bfloat16> {
 };
 
 template <typename T, typename Cache> struct Widen8;
-// (int4: `magic` is Bits4<T>::int4_magic; a kernel may pass it from a register it holds.)
 template <typename T> struct Widen8<T, CacheInt4> {
-  static CUPA_HOST_DEVICE void run(unsigned w, unsigned (&r)[4], unsigned magic = Bits4<T>::int4_magic) {
+  static CUPA_HOST_DEVICE void run(unsigned w, unsigned (&r)[4]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) r[i] = Pair<T>::sub(((w >> (4 * i)) & 0x000f000fu) | magic, Bits4<T>::int4_bias);
-  }
-};
-// fp16: one shift a word. Codes 1, 5 (3, 7 after the shift by 8) are read in place, at bits 4..7 of each
-// half: 1024 + 16 n, which one fma maps to n - 8 (x / 16 - 72, exact).
-template <> struct Widen8<__half, CacheInt4> {
-  static CUPA_HOST_DEVICE void run(unsigned w, unsigned (&r)[4], unsigned magic = Bits4<__half>::int4_magic) {
-    const unsigned w8 = w >> 8;
-    r[0] = Pair<__half>::sub((w & 0x000f000fu) | magic, Bits4<__half>::int4_bias);
-    r[1] = Pair<__half>::fma((w & 0x00f000f0u) | magic, 0x2c002c00u, 0xd480d480u);  // 1/16, -72
-    r[2] = Pair<__half>::sub((w8 & 0x000f000fu) | magic, Bits4<__half>::int4_bias);
-    r[3] = Pair<__half>::fma((w8 & 0x00f000f0u) | magic, 0x2c002c00u, 0xd480d480u);
+    for (int i = 0; i < 4; ++i) r[i] = Pair<T>::sub(((w >> (4 * i)) & 0x000f000fu) | Bits4<T>::int4_magic, Bits4<T>::int4_bias);
   }
 };
 template <typename T> struct Widen8<T, CacheFp4> {
