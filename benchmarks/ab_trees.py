@@ -11,8 +11,8 @@ Only the public API of the tree under test is used (``cupa.PagedAttention``, ``c
 same script times older trees. The timer is this repository's (cupa/bench/timing.py, loaded by path):
 CUDA events, L2 flushed before each run, median of ``--reps`` runs. Each case is checked against the
 tree's own output of the first run (bit-identical across runs), and the JSON records the tree's git
-commit when ``--commit`` is given. The quantized decode cases (QUANT_CASES) come from the tree's own
-``cupa.bench.cases``.
+commit when ``--commit`` is given. The quantized decode cases (QUANT_CASES) and the general backend's
+calls (GENERAL_CASES: attention_bias, output_qk) come from the tree's own ``cupa.bench.cases``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,18 @@ QUANT_CASES = {
     "decode B=64 L=4096 int4 per channel bf16": dict(cache="int4", quant="PER_CHANNEL", dtype="bfloat16"),
     "decode B=64 L=4096 int8 per channel": dict(cache="int8", quant="PER_CHANNEL"),
     "decode B=64 L=4096 fp8 per tensor": dict(cache="fp8", quant="PER_TENSOR"),
+}
+
+#: name -> (cupa.bench.cases function, its positional arguments, its keyword arguments, extra operator
+#: attributes, bias: None or "full" (a (B, H, q, kv) fp16 attention_bias)): calls the general backend serves
+GENERAL_CASES = {
+    "general decode B=8 L=8192 int8 per channel qk_output=1": (
+        "decode", (8, 8192), dict(cache="int8", quant="PER_CHANNEL"), {"qk_output": 1}, None),
+    "general decode B=8 L=8192 fp8 per channel qk_output=1": (
+        "decode", (8, 8192), dict(cache="fp8", quant="PER_CHANNEL"), {"qk_output": 1}, None),
+    "general prefill B=4 q=2048 int8 per channel bias": (
+        "prefill", (4, 2048), dict(cache="int8", quant="PER_CHANNEL"), {}, "full"),
+    "general prefill B=4 q=2048 bias": ("prefill", (4, 2048), {}, {}, "full"),
 }
 
 
@@ -118,6 +130,29 @@ def main(argv=None) -> int:
         result["cases"][name] = entry
         print(f"{args.label}: {name}: {entry['median_us']:.1f} us", flush=True)
         del built, inputs, first
+        cp.get_default_memory_pool().free_all_blocks()
+    for name, (kind, pos, kw, attributes, bias) in GENERAL_CASES.items():
+        if args.cases not in name:
+            continue
+        built = cases.build(getattr(cases, kind)(*pos, **kw), cp)
+        op = cupa.PagedAttention(**{**built.attributes, **attributes})
+        inputs = built.call_inputs()
+        if bias == "full":
+            c = built.case
+            shape = (c.batch_size, c.num_heads, max(c.q_lens), int(c.kv_lens.max()))
+            inputs["attention_bias"] = cp.random.RandomState(1).standard_normal(shape, dtype=np.float32).astype(
+                np.float16)
+        first = op(**inputs)
+        first = first[0] if isinstance(first, tuple) else first
+        cp.cuda.Device().synchronize()
+        entry = timer.time_us(lambda: op(**inputs), reps=args.reps)
+        again = op(**inputs)
+        entry["same_output"] = bool(cp.array_equal(first, again[0] if isinstance(again, tuple) else again))
+        if kind == "prefill":
+            entry["tflop_per_s"] = built.case.flops() / (entry["median_us"] * 1e-6) / 1e12
+        result["cases"][name] = entry
+        print(f"{args.label}: {name}: {entry['median_us']:.1f} us", flush=True)
+        del built, inputs, first, again
         cp.get_default_memory_pool().free_all_blocks()
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
