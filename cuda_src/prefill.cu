@@ -32,6 +32,7 @@
 // sum; -inf for the zero pass's tokens). Host values that size the launch: token_count, batch_size,
 // head counts and the tile (TILE_ROWS x TILE_KEYS); none enters a mask.
 #include "common.cuh"
+#include "general.cuh"  // BiasView
 #include "mma.cuh"
 #include "paged.cuh"
 #include "quant.cuh"
@@ -61,7 +62,7 @@ template <> struct PrefillConfig<128, 128, 32> : PrefillShape<4, 2, 2, 2, false>
 template <> struct PrefillConfig<256, 128, 32> : PrefillShape<8, 1, 2, 1, false> {};
 template <> struct PrefillConfig<256, 64, 32> : PrefillShape<4, 1, 2, 1, false> {};
 
-template <typename T, typename Cache, int D, int ROWS_, int KEYS_>
+template <typename T, typename Cache, int D, int ROWS_, int KEYS_, bool BIAS = false>
 struct PrefillSmem {
   using Cfg = PrefillConfig<D, ROWS_, KEYS_>;
   using C = typename Cache::storage;
@@ -73,16 +74,18 @@ struct PrefillSmem {
   static constexpr int q_bytes = ROWS * D * 2;                                   // Q tile, then the output tile
   static constexpr int stage_bytes = 2 * KEYS * code_row_bytes;                   // K and V tiles as stored
   static constexpr int wide_bytes = Cache::quantized ? 2 * KEYS * D * 2 : 0;      // widened K and V
+  static constexpr int bias_stage_bytes = BIAS ? ROWS * KEYS * 2 : 0;            // (BIAS) a tile's bias entries
+  static constexpr int bias_bytes = NST * bias_stage_bytes + (BIAS ? ROWS * 8 : 0);  // and each row's bias offset
   static constexpr int rows_bytes = (NST + 1) * KEYS * 8;                         // row byte offsets, one tile ahead
   static constexpr int bytes_bytes = (NST + 1) * KEYS * 4;                        // copy sizes (16 or 0: masked)
   static constexpr int mapped_bytes = (NST + 1) * (KEYS / 32) * 4;                // mapped-key bit masks
   static constexpr int align_pad = 128;  // the dynamic region is rounded up to a 128-byte boundary
-  static constexpr int total = q_bytes + NST * stage_bytes + wide_bytes + rows_bytes + bytes_bytes + mapped_bytes +
-                               align_pad;
+  static constexpr int total = q_bytes + NST * stage_bytes + wide_bytes + bias_bytes + rows_bytes + bytes_bytes +
+                               mapped_bytes + align_pad;
   static_assert(total <= 163 * 1024, "an sm_80 CTA's dynamic shared memory");
 };
 
-template <typename T, typename Cache, int D, int TILE_ROWS, int TILE_KEYS, typename VCache = Cache>
+template <typename T, typename Cache, int D, int TILE_ROWS, int TILE_KEYS, typename VCache = Cache, bool BIAS = false>
 __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS * 32,
                                   PrefillConfig<D, TILE_ROWS, TILE_KEYS>::MIN_CTAS) paged_prefill(
     const T* __restrict__ q,  // (N, H, D): prologue output, or `query` itself
@@ -93,9 +96,10 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, T* __restrict__ out,
     float* __restrict__ lse, int token_count, int num_heads, int kv_num_heads, int batch_size, int num_blocks,
     int block_size, int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
-    float softcap, int window, int is_causal, int k_quant, int v_quant) {
+    float softcap, int window, int is_causal, int k_quant, int v_quant, const T* __restrict__ bias, int bias_batch,
+    int bias_heads, int bias_q, int bias_k) {
   using Cfg = PrefillConfig<D, TILE_ROWS, TILE_KEYS>;
-  using L = PrefillSmem<T, Cache, D, TILE_ROWS, TILE_KEYS>;
+  using L = PrefillSmem<T, Cache, D, TILE_ROWS, TILE_KEYS, BIAS>;
   using C = typename Cache::storage;
   constexpr int WARPS = Cfg::WARPS, THREADS = WARPS * 32, ROWS = L::ROWS, KEYS = L::KEYS, NST = L::NST;
   constexpr int MASK_WORDS = KEYS / 32;
@@ -107,6 +111,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   static_assert(D % 64 == 0 && D <= 256, "head_size 64, 128 or 256");
   static_assert(KEYS % 32 == 0 && KEYS <= THREADS, "one thread per key row when finding rows");
   static_assert(ROWS <= THREADS && ROWS % 32 == 0, "one thread per query row when locating rows");
+  static_assert(!BIAS || !Cache::quantized, "attention_bias instances: 16-bit caches");
 
   // The prologue's writes (cache rows, Q workspace) are visible after grid_dependency_wait. Without
   // new-key inputs every CTA waits here; with them (NewKeys, prefill_tiles.cuh) CTA 0 does (so the
@@ -132,7 +137,9 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   unsigned char* stages = smem + L::q_bytes;
   T* sKw = reinterpret_cast<T*>(stages + NST * L::stage_bytes);  // widened tiles (quantized only)
   T* sVw = sKw + KEYS * D;
-  long long* sRows = reinterpret_cast<long long*>(stages + NST * L::stage_bytes + L::wide_bytes);
+  unsigned char* sBias = stages + NST * L::stage_bytes + L::wide_bytes;  // (BIAS) NST tiles of ROWS x KEYS entries
+  long long* sBiasRow = reinterpret_cast<long long*>(sBias + NST * L::bias_stage_bytes);  // (BIAS) row r's entries
+  long long* sRows = reinterpret_cast<long long*>(sBias + L::bias_bytes);
   int* sBytes = reinterpret_cast<int*>(sRows + (NST + 1) * KEYS);
   unsigned* sMapped = reinterpret_cast<unsigned*>(sBytes + (NST + 1) * KEYS);
   const unsigned sQ_a = smem_addr(sQ), stages_a = smem_addr(stages), sKw_a = smem_addr(sKw);
@@ -156,6 +163,14 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
     int lo, hi;
     locate_tile_row(rt, tid, g, G, cum, past, B, query_positions, (long long)max_blocks * block_size,
                     rotary_max_pos, is_causal, window, sTok, sHead, sLo, sHi, lo, hi);
+    if constexpr (BIAS) {  // contract §4.3: the bias capacities end the row's range (general.cuh)
+      const BiasView<T> bv{bias, bias_batch, bias_heads, bias_q, bias_k};
+      if (sTok[tid] >= 0) bv.clamp(sTok[tid] - rt.seq_cum, lo, hi);
+      if (hi <= lo) lo = hi = 0;
+      sLo[tid] = lo;
+      sHi[tid] = hi;
+      sBiasRow[tid] = hi > lo ? bv.row(b, sHead[tid], sTok[tid] - rt.seq_cum) - bias : 0;
+    }
     const bool live = hi > lo;
     const int rlo = __reduce_min_sync(0xffffffffu, live ? lo : RANGE_NONE_LO);
     const int rhi = __reduce_max_sync(0xffffffffu, live ? hi : RANGE_NONE_HI);
@@ -184,6 +199,9 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
     for (int w = 0; w < ROWS / 32; ++w) inter = make_int2(max(inter.x, sInterLo[w]), min(inter.y, sInterHi[w]));
     sCtaInter = inter;
   }
+  // (BIAS) Tiles start at a multiple of 8 keys, so that a tile's bias entries are whole 16-byte chunks: the
+  // union starts at klo rounded down (the keys added are admitted by no row: masked, their V rows cleaned).
+  if constexpr (BIAS) klo = khi > klo ? klo & ~7 : klo;
   const int ntiles = khi > klo ? (khi - klo + KEYS - 1) / KEYS : 0;
   // Every admitted key is one of the sequence's new tokens: K/V tiles come from key / value (NewKeys).
   const bool from_inputs = kv_new && ntiles > 0 && klo >= sNew.lo && khi <= sNew.hi;
@@ -280,13 +298,51 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
     }
   };
 
+  // (BIAS) The bias entries of key tile kt into bias stage st, as ROWS rows of KEYS entries: chunk c (keys
+  // kt0 + 8c .. kt0 + 8c + 7) of row r at 16-byte column c ^ bias_swz(r), so that the 8 rows an ldmatrix
+  // reads sit in 8 distinct bank groups. A chunk with no key of the row's admitted range is zero; the
+  // others are read whole when the rows are 16-byte aligned (bias_vec: they lie inside the bias capacity,
+  // where the range ends, as the tile start and the capacity are multiples of 8), and entry by entry
+  // otherwise, where only admitted entries are read. A read entry the row does not admit is masked later.
+  constexpr int BCH = KEYS / 8, BROW = KEYS * 2;  // 16-byte chunks and bytes of a bias tile row
+  static_assert(!BIAS || BCH == 4 || BCH == 8, "bias tiles of 32 or 64 keys");
+  auto bias_swz = [](int r) { return BCH == 8 ? (r & 7) : ((r >> 1) & 3); };
+  const unsigned sBias_a = smem_addr(sBias);
+  const bool bias_vec = (bias_k & 7) == 0 && (reinterpret_cast<unsigned long long>(bias) & 15u) == 0;
+  auto load_bias = [&](int st, int kt) {
+    if constexpr (BIAS) {
+      const int c = tid % BCH, k0 = klo + kt * KEYS + 8 * c;
+#pragma unroll
+      for (int i = 0; i < ROWS * BCH / THREADS; ++i) {
+        const int r = tid / BCH + i * (THREADS / BCH);
+        const int lo = sLo[r], hi = sHi[r];
+        const bool any = k0 < hi && k0 + 8 > lo;
+        const int at = st * L::bias_stage_bytes + r * BROW + ((c ^ bias_swz(r)) << 4);
+        const T* src = bias + sBiasRow[r] + k0;
+        if (bias_vec) {
+          cp_async_16_or_zero(sBias_a + at, any ? src : bias, any);
+        } else {
+          unsigned w[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            w[e] = load_bias_pair(src, 2 * e, any && k0 + 2 * e >= lo && k0 + 2 * e < hi,
+                                  any && k0 + 2 * e + 1 >= lo && k0 + 2 * e + 1 < hi, false);
+          *reinterpret_cast<uint4*>(sBias + at) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+    }
+  };
+
 #pragma unroll
   for (int s = 0; s < NST; ++s) find_rows(s, s);
   __syncthreads();  // sQ, row offsets of the first NST tiles
   if (kv_new && ntiles > 0 && !from_inputs) grid_dependency_wait();  // reads cache rows
 #pragma unroll
   for (int s = 0; s < NST - 1; ++s) {
-    if (s < ntiles) load_tile(s, s);
+    if (s < ntiles) {
+      load_tile(s, s);
+      load_bias(s, s);
+    }
     cp_async_commit();
   }
 
@@ -331,6 +387,11 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   const unsigned v_lane = ((mi & 1) * 8 + l7) * ROW_BYTES + (((mi >> 1) ^ l7) << 4);
   auto step_addr = [](unsigned base, int kk) { return (base ^ (unsigned)((kk & 3) << 5)) + (unsigned)((kk >> 2) * 128); };
   auto load_q = [&](unsigned (&frag)[4], int m, int kk) { ldsm_x4(frag, step_addr(q_lane, kk) + m * 16 * ROW_BYTES); };
+  // (BIAS) bias tile: matrix mi of an ldmatrix.x4 is rows (mi % 2)*8 + lane % 8 of an m16 tile, chunk
+  // 2*j2 + mi / 2, so that its four registers are the score fragments of keys 16*j2 .. 16*j2 + 15 (as bk
+  // for K); the swizzle repeats every 8 rows and chunk 2*j2 ^ t sits at (t << 4) ^ (j2 << 5).
+  const int bias_row0 = warp_row0 + (mi & 1) * 8 + l7;
+  const unsigned bias_lane = bias_row0 * BROW + (((mi >> 1) ^ bias_swz(bias_row0)) << 4);
   unsigned qf[Cfg::Q_IN_REGS ? MT : 1][Cfg::Q_IN_REGS ? D / 16 : 1][4];
   if constexpr (Cfg::Q_IN_REGS) {
     cp_async_wait<NST - 2>();  // Q landed with the first tile (what the loop's first wait waits for)
@@ -347,7 +408,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   // scores are transformed first (mul = 1).
   const float score_scale = scale * (k_quant == QUANT_PER_TENSOR ? k_scale[0] : 1.0f);
   const float scale_log2 = score_scale * CUPA_LOG2E;
-  const bool fold = !(softcap > 0.0f) && scale_log2 > 0.0f;
+  const bool fold = !BIAS && !(softcap > 0.0f) && scale_log2 > 0.0f;
   const float mul = fold ? scale_log2 : 1.0f;
   const float inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
   float o[MT][D / 8][4];
@@ -393,7 +454,10 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
       }
     }
     __syncthreads();
-    if (kt + NST - 1 < ntiles) load_tile(stage == 0 ? NST - 1 : stage - 1, slot <= 1 ? slot + NST - 1 : slot - 2);
+    if (kt + NST - 1 < ntiles) {
+      load_tile(stage == 0 ? NST - 1 : stage - 1, slot <= 1 ? slot + NST - 1 : slot - 2);
+      load_bias(stage == 0 ? NST - 1 : stage - 1, kt + NST - 1);
+    }
     cp_async_commit();
     if (kt + NST < ntiles) find_rows(kt + NST, slot == 0 ? NST : slot - 1);  // read after the next barrier
 
@@ -482,8 +546,30 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
       }
     }
 
-    // Rare transforms under one uniform branch: softcap, or a scale that cannot be folded.
-    if (!fold) {
+    if constexpr (BIAS) {
+      // Scores: scale * q.k + bias, then softcap, to the log2 domain (mul = 1).
+      const unsigned bias_t = sBias_a + stage * L::bias_stage_bytes + bias_lane;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int j2 = 0; j2 < KEYS / 16; ++j2) {
+          unsigned bb[4];
+          ldsm_x4(bb, (bias_t + m * 16 * BROW) ^ (unsigned)(j2 << 5));
+#pragma unroll
+          for (int q4 = 0; q4 < 4; ++q4) {
+            const float2 bj = unpack2<T>(bb[q4]);
+            float* sv = &s[m][2 * j2 + (q4 >> 1)][(q4 & 1) * 2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float x = fmaf(sv[e], score_scale, e ? bj.y : bj.x);
+              if (softcap > 0.0f) x = softcap * tanhf(x * inv_softcap);
+              sv[e] = x * CUPA_LOG2E;
+            }
+          }
+        }
+      }
+    } else if (!fold) {
+      // Rare transforms under one uniform branch: softcap, or a scale that cannot be folded.
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #pragma unroll

@@ -114,7 +114,7 @@ def test_smoke_general_records(smoke):
         assert all(m["status"] == "ok" for m in rec["variants"].values()), rec["id"]
         assert "attention_bias" in rec["details"]["peers"]
     p = recs["prefill bias"]
-    assert set(p["variants"]) == {"general no bias", "fused no bias"}
+    assert set(p["variants"]) == {"general bias", "prefill bias", "general no bias", "fused no bias"}
     B, H, q = p["params"]["B"], p["params"]["num_heads"], p["params"]["q_len"]
     assert p["flops"] == 4 * H * p["params"]["head_size"] * B * q * (q + 1) // 2
     assert p["details"]["bias_shape"] == [B, H, q, q]
@@ -614,11 +614,13 @@ def test_device_general_suite(tmp_path):
     recs = {r["case"].split(" B=")[0]: r for r in payload["cases"] if r["suite"] == "general"}
     assert set(recs) == {"prefill bias", "decode qk_output=2", "latent bias"}
     for name, rec in recs.items():
-        want = "decode" if name == "decode qk_output=2" else "general"  # decode-shaped output_qk: the decode backend
+        # decode-shaped output_qk: the decode backend; a prefill with a bias over a cache of T: the tensor-core prefill
+        want = {"decode qk_output=2": "decode", "prefill bias": "prefill"}.get(name, "general")
         assert rec["cupa"]["status"] == "ok" and rec["cupa"]["backend"] == want, rec["cupa"]
         assert all(m["status"] == "ok" for m in rec["variants"].values()), rec["variants"]
     assert recs["decode qk_output=2"]["variants"]["general plain"]["backend"] == "general"
     assert recs["prefill bias"]["variants"]["general no bias"]["backend"] == "general"
+    assert recs["prefill bias"]["variants"]["general bias"]["backend"] == "general"
     assert recs["prefill bias"]["variants"]["fused no bias"]["backend"] != "general"
     assert recs["decode qk_output=2"]["floor"]["output_qk_shape"] == [32, 8, 8192]
     for rec in (recs["prefill bias"], recs["decode qk_output=2"]):

@@ -15,7 +15,7 @@ import cupa
 from cupa import dispatch, jit
 from cupa.device import SHARED_OPTIN_BY_CAPABILITY, describe_capability
 from cupa.kernels import backend as kbackend
-from cupa.kernels import decode, general, launch, registry
+from cupa.kernels import decode, general, launch, prefill, registry
 from tests import util
 from tests.test_dispatch import problem_of
 
@@ -48,18 +48,19 @@ def test_general_is_last_and_serves_every_feature_but_packed_caches():
 @pytest.mark.parametrize("case", ["bias", "scores", "probabilities"])
 def test_fused_backends_decline_and_the_general_backend_alone_serves(rng, case, monkeypatch):
     """Each fused backend declines with the feature's reason naming the backends that serve it (output_qk: the
-    decode backend too, which has no reason to decline these fp16 calls); the general backend has no reason to
-    decline; marked unverified (and the decode backend's output_qk too), the default choice raises the clear
-    error that says so."""
+    decode backend too, attention_bias: the prefill backend too, which have no reason to decline these fp16
+    calls); the general backend has no reason to decline; marked unverified (and the decode backend's
+    output_qk and the prefill backend's bias too), the default choice raises the clear error that says so."""
     monkeypatch.setattr(general.BACKEND, "verified", False)
     monkeypatch.setattr(decode.BACKEND, "unverified", frozenset({"output_qk"}))
+    monkeypatch.setattr(prefill.BACKEND, "unverified", frozenset({"bias"}))
     p = problem_of(rng, **FEATURE_CASES[case])
     what = {"bias": "attention_bias", "scores": "output_qk", "probabilities": "output_qk"}[case]
-    served_by = {"attention_bias": "(the general backend serves it)",
+    served_by = {"attention_bias": "(the prefill and general backends serve it)",
                  "output_qk": "(the decode and general backends serve it)"}[what]
     for b in dispatch.cuda_backends():
         reasons = b.not_supported_reasons(p, H200, DEFAULT)
-        if b.name == "general" or (b.name == "decode" and what == "output_qk"):
+        if b.name == "general" or (b.name, what) in (("decode", "output_qk"), ("prefill", "attention_bias")):
             assert reasons == [], reasons
         else:
             assert any(r.startswith(what) and r.endswith(served_by) for r in reasons), reasons
@@ -74,9 +75,13 @@ def test_fused_backends_decline_and_the_general_backend_alone_serves(rng, case, 
         assert f"{name}: not considered (options.backend='general')" in text
 
 
-@pytest.mark.parametrize("case", ["bias", "scores", "probabilities"])
+@pytest.mark.parametrize("case", ["bias_decode", "bias_int8", "scores", "probabilities"])
 def test_the_default_choice_for_bias_and_output_qk_is_the_general_backend(rng, case):
-    p = problem_of(rng, **FEATURE_CASES[case])
+    """Prefill-shaped bias calls over caches of T are the tensor-core prefill's (tests/test_prefill_bias_host.py);
+    decode-shaped or quantized ones, and output_qk, the general backend's."""
+    kw = {"bias_decode": dict(bias=(False, False), q_lens=[1, 1]),
+          "bias_int8": dict(bias=(False, False), cache="int8")}.get(case) or FEATURE_CASES[case]
+    p = problem_of(rng, **kw)
     assert dispatch.choose(p, H200, DEFAULT) is general.BACKEND
     text = dispatch.account(p, H200, DEFAULT)
     line = next(x for x in text.splitlines() if x.startswith("general: "))
@@ -97,8 +102,9 @@ def test_general_wins_only_where_nothing_else_serves(rng):
         if case == "lse":   # every fused backend serves return_lse
             continue
         p = problem_of(rng, **FEATURE_CASES[case])
-        # a 576/512 latent call is the MLA backend's (verified, before general in priority order)
-        want = "mla" if case == "latent_576" else "general"
+        # a 576/512 latent call is the MLA backend's (verified, before general in priority order), a prefill with
+        # a bias over caches of T the tensor-core prefill's
+        want = {"latent_576": "mla", "bias": "prefill"}.get(case, "general")
         assert dispatch.choose(p, H200, DEFAULT).name == want, case
         # LATENT alone is the MLA backend's to prefer (FEATURES); without it the general backend still serves
         assert general.BACKEND.preferred(p, H200, DEFAULT) == (not case.startswith("latent"))

@@ -997,17 +997,21 @@ def check_new_keys_cases(cp, rng, *, backend, dtype, head_sizes):
 
 def assert_same_bits_over_bounds(cp, inputs, attrs, bounds) -> None:
     """Run the call (fresh device inputs each time) once per attention_metadata of ``bounds`` (None: absent)
-    and assert that every run gives the first run's bits: output, lse, and output_qk over the width both
-    have (a bound sets it). ``attrs`` ask for output_qk (qk_output=2) and lse."""
+    and assert that every run gives the first run's bits: output, and where ``attrs`` ask for them lse and
+    output_qk over the width both have (a bound sets it)."""
+    qk_output, return_lse = attrs.get("qk_output", 0), attrs.get("return_lse", False)
     results = []
     for md in bounds:
-        out = cupa.paged_attention(**to_device(cp, inputs), attention_metadata=md, **attrs)
-        results.append([cp.asnumpy(x) for x in out])
+        out = split_result(cupa.paged_attention(**to_device(cp, inputs), attention_metadata=md, **attrs), qk_output,
+                           return_lse)
+        results.append([None if x is None else cp.asnumpy(x) for x in out])
     for other in results[1:]:
         assert np.array_equal(results[0][0].view(np.uint8), other[0].view(np.uint8))
-        assert np.array_equal(results[0][2].view(np.uint32), other[2].view(np.uint32))
-        w = min(results[0][1].shape[2], other[1].shape[2])
-        assert np.array_equal(results[0][1][..., :w].view(np.uint32), other[1][..., :w].view(np.uint32))
+        if return_lse:
+            assert np.array_equal(results[0][2].view(np.uint32), other[2].view(np.uint32))
+        if qk_output:
+            w = min(results[0][1].shape[2], other[1].shape[2])
+            assert np.array_equal(results[0][1][..., :w].view(np.uint32), other[1][..., :w].view(np.uint32))
 
 
 @contextlib.contextmanager

@@ -1,11 +1,12 @@
 """The ``general`` suite: calls with attention_bias or output_qk against their targets, each beside the same
-call without the feature, in the same run (the general backend serves the bias calls; a decode-shaped
-output_qk call runs on the decode backend).
+call without the feature, in the same run (the tensor-core prefill or the general backend serves the bias
+calls; a decode-shaped output_qk call runs on the decode backend).
 
 - prefill: causal B=4 x 2048 new tokens (fp16, GQA 32/8, D=128, block 16) with a full (B, H, 2048,
-  2048) fp16 attention_bias. cupa's entry is the call with the bias (the library's own choice: the
-  general backend); the variants are the same call without bias on the general backend
-  (``Options(backend="general")``) and on the library's own choice (the fused prefill). Figures:
+  2048) fp16 attention_bias. cupa's entry is the call with the bias (the library's own choice); the
+  variants are the same call with the bias on each backend that serves it (``Options(backend="general")``,
+  ``Options(backend="prefill")``), and without bias on the general backend and on the library's own
+  choice (the fused prefill). Figures:
   TFLOP/s of the causal FLOPs ``4 H D sum_b(q_b (q_b + 1) / 2)`` (target >= 150) and
   ``bias_cost_vs_general_no_bias`` (bias time / general no-bias time).
 - decode: B=8, L=8192 (fp16, GQA 32/8, D=128, block 16) with qk_output=2 (the probabilities, a (32, 8,
@@ -41,6 +42,7 @@ DECODE_TARGET_RATIO = 1.5
 #: Bytes of the write probe (the decode floor's write bandwidth).
 WRITE_PROBE_BYTES = {"full": 2 << 30, "quick": 2 << 30, "smoke": 1 << 20}
 GENERAL = cupa.Options(backend="general")
+PREFILL = cupa.Options(backend="prefill")
 PEERS_NOTE = "no peer adapter takes attention_bias or output_qk"
 
 
@@ -106,6 +108,9 @@ class GeneralSuite(Suite):
         rec["details"].update(bias_shape=[B, H, q, kv], bias_bytes=int(bias.nbytes),
                               bias_bytes_read_causal=int(B * H * q * (q + 1) // 2 * bias.itemsize))
         rec["cupa"], out = time_cupa(built, ctx, inputs={"attention_bias": bias})
+        for label, options in (("general bias", GENERAL), ("prefill bias", PREFILL)):
+            rec["variants"][label], _ = time_cupa(built, ctx, self._options(ctx, options),
+                                                  inputs={"attention_bias": bias})
         del bias
         rec["variants"]["general no bias"], general_out = time_cupa(built, ctx, self._options(ctx, GENERAL))
         rec["variants"]["fused no bias"], fused_out = time_cupa(built, ctx)

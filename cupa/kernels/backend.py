@@ -17,7 +17,7 @@ from ..options import Options
 #: Features a fused backend serves only when it says so (``CudaBackend.serves``), and who serves them.
 FEATURES = {
     "latent": ("kv_cache_layout='LATENT' (absorbed MLA)", "mla"),
-    "bias": ("attention_bias", "general"),
+    "bias": ("attention_bias", ("prefill", "general")),
     "output_qk": ("output_qk (qk_output != 0)", ("decode", "general")),
     "return_lse": ("return_lse", None),   # every CUDA backend serves it
     "subbyte": ("packed 4-bit caches (k/v_cache_dtype 'int4', 'float4e2m1')", ("decode", "prefill")),

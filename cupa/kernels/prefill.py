@@ -11,6 +11,10 @@ found on the device by a warp-wide search, so a ragged batch is one launch witho
 lengths back.
 The first CTAs of the grid write zeros to output rows no sequence owns. attention_metadata is
 not needed to size anything: results are the same bits with or without it.
+
+With attention_bias (caches of T), the kernel's bias instances copy each tile's bias entries into
+shared memory with its K/V tile and add them to the scores as fragments (ldmatrix); they use the tiles
+of :data:`BIAS_TILES`.
 """
 
 from __future__ import annotations
@@ -37,14 +41,18 @@ TILE_CONFIG = {(64, 128, 64): (4, 2, 3, 2), (128, 128, 64): (4, 2, 2, 2), (128, 
                (256, 128, 32): (8, 1, 2, 1), (256, 64, 32): (4, 1, 2, 1)}
 #: head_size -> its (rows, keys) tiles, the default first, then compact tiles for less shared memory.
 TILES = {64: ((128, 64),), 128: ((128, 64), (128, 32)), 256: ((128, 32), (64, 32))}
+#: head_size -> the tiles of the attention_bias instances (their bias stages take rows x keys x 2 bytes each:
+#: a 128 x 64 tile at head_size 128 would leave one CTA per SM on sm_90, and spills there).
+BIAS_TILES = {64: ((128, 64),), 128: ((128, 32),), 256: ((128, 32),)}
 MAX_GRID_X = (1 << 31) - 1
 #: query heads a KV head from which a decode-shaped call may prefer the prefill kernels (preferred)
 WIDE_GROUP = 64
 
 
-def shared_bytes(head_size: int, quantized: bool, tile: tuple, packed: bool = False) -> int:
+def shared_bytes(head_size: int, quantized: bool, tile: tuple, packed: bool = False, bias: bool = False) -> int:
     """Dynamic shared memory of paged_prefill with ``tile`` (mirrors PrefillSmem in prefill.cu); ``packed``:
-    packed 4-bit caches (K and V tiles of rows of D / 2 bytes, widened to T like the 8-bit ones)."""
+    packed 4-bit caches (K and V tiles of rows of D / 2 bytes, widened to T like the 8-bit ones); ``bias``: the
+    attention_bias instances (a tile of 16-bit bias entries per stage, and each row's bias offset)."""
     D, (rows, keys) = head_size, tile
     stages = TILE_CONFIG[(D, rows, keys)][2]
     q_bytes = rows * D * 2
@@ -53,8 +61,9 @@ def shared_bytes(head_size: int, quantized: bool, tile: tuple, packed: bool = Fa
     row_offsets = (stages + 1) * keys * 8  # byte offsets of the rows of a tile, one tile ahead
     sizes = (stages + 1) * keys * 4  # their copy sizes (16, or 0 for masked keys)
     mapped = (stages + 1) * (keys // 32) * 4
+    bias_bytes = stages * rows * keys * 2 + rows * 8 if bias else 0
     align_pad = 128  # the kernel rounds the dynamic region up to a 128-byte boundary
-    return q_bytes + stages * stage + wide + row_offsets + sizes + mapped + align_pad
+    return q_bytes + stages * stage + wide + bias_bytes + row_offsets + sizes + mapped + align_pad
 
 
 def static_shared_bound(head_size: int, tile: tuple) -> int:
@@ -66,12 +75,13 @@ def static_shared_bound(head_size: int, tile: tuple) -> int:
     return 16 * rows + 160 * warps + 64
 
 
-def tile_for(head_size: int, quantized: bool, device: DeviceInfo, packed: bool = False) -> Optional[tuple]:
-    """The (rows, keys) tile of paged_prefill on ``device``: the first of :data:`TILES` that fits a CTA
-    (static plus dynamic shared memory) with the CTAs per SM its registers are sized for, else the first
-    that fits a CTA; None when none fits (the backend declines)."""
-    tiles = TILES.get(head_size, ())
-    need = {t: shared_bytes(head_size, quantized, t, packed) + static_shared_bound(head_size, t) for t in tiles}
+def tile_for(head_size: int, quantized: bool, device: DeviceInfo, packed: bool = False,
+             bias: bool = False) -> Optional[tuple]:
+    """The (rows, keys) tile of paged_prefill on ``device``: the first of :data:`TILES` (``bias``:
+    :data:`BIAS_TILES`) that fits a CTA (static plus dynamic shared memory) with the CTAs per SM its
+    registers are sized for, else the first that fits a CTA; None when none fits (the backend declines)."""
+    tiles = (BIAS_TILES if bias else TILES).get(head_size, ())
+    need = {t: shared_bytes(head_size, quantized, t, packed, bias) + static_shared_bound(head_size, t) for t in tiles}
     fits = [t for t in tiles if need[t] <= device.shared_per_block_optin]
     for t in fits:
         if ctas_per_sm(need[t], device) >= TILE_CONFIG[(head_size,) + t][3]:
@@ -134,18 +144,23 @@ def prologue_phrase(problem: Problem, device: DeviceInfo, options: Options) -> s
 
 class PrefillBackend(CudaBackend):
     name = "prefill"
-    serves = frozenset({"return_lse", "subbyte"})
+    serves = frozenset({"return_lse", "subbyte", "bias"})
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         p, reasons = problem, packed_cache_reasons(problem)
         if p.dtype not in PREFILL_DTYPES:
             reasons.append(f"T={p.dtype}: the tensor-core prefill takes float16 or bfloat16")
+        if p.has_bias and p.quantized:
+            reasons.append(f"attention_bias with a {p.cache_kind} cache: the tensor-core prefill adds a bias over "
+                           "caches of T only (the general backend serves quantized ones)")
         if p.head_size not in PREFILL_HEAD_SIZES:
             reasons.append(f"head_size {p.head_size} not in {PREFILL_HEAD_SIZES}")
-        elif (tile := tile_for(p.head_size, p.quantized, device, p.packed)) is None:
-            t = TILES[p.head_size][-1]
-            need = shared_bytes(p.head_size, p.quantized, t, p.packed) + static_shared_bound(p.head_size, t)
-            reasons.append(shared_reason("paged_prefill", need, device))
+        elif (tile := tile_for(p.head_size, p.quantized, device, p.packed, p.has_bias)) is None:
+            t = (BIAS_TILES if p.has_bias else TILES)[p.head_size][-1]
+            need = (shared_bytes(p.head_size, p.quantized, t, p.packed, p.has_bias)
+                    + static_shared_bound(p.head_size, t))
+            reasons.append(shared_reason("paged_prefill" + (" with attention_bias" if p.has_bias else ""), need,
+                                         device))
         elif not reasons and launch_plan(p, tile)["grid"] > MAX_GRID_X:
             reasons.append(f"{launch_plan(p, tile)['grid']} CTAs exceed one launch's grid ({MAX_GRID_X})")
         return reasons
@@ -169,6 +184,8 @@ class PrefillBackend(CudaBackend):
                 specs.append(registry.prologue_spec(dtype, kind, v_cache_kind=v_kind))
                 specs.extend(registry.prefill_spec(dtype, kind, d, tile, v_kind)
                              for d in PREFILL_HEAD_SIZES for tile in TILES[d])
+            specs.extend(registry.prefill_spec(dtype, "T", d, tile, bias=True)
+                         for d in PREFILL_HEAD_SIZES for tile in BIAS_TILES[d])
         return specs
 
     def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
@@ -176,7 +193,8 @@ class PrefillBackend(CudaBackend):
         return (f"paged prefill on tensor cores (mma.sync m16n8k16): one CTA per (tile of {plan['rows']} "
                 f"(token, group head) rows of one sequence, KV head); {plan['num_tiles']} row tiles x "
                 f"{problem.kv_num_heads} KV heads + {plan['zero_ctas']} zero-pass CTA(s); keys in tiles of "
-                f"{plan['keys']} through a {plan['stages']}-stage cp.async pipeline; "
+                f"{plan['keys']} through a {plan['stages']}-stage cp.async pipeline"
+                f"{' (and the tile of attention_bias entries with them)' if problem.has_bias else ''}; "
                 f"{prologue_phrase(problem, device, options)}; "
                 f"token_count ({problem.token_count}) {'>' if self.preferred(problem) else '<='} batch_size "
                 f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
@@ -203,18 +221,25 @@ class PrefillBackend(CudaBackend):
     # The kernel, launch plan and shared memory of a call on a device: the wgmma backend swaps these.
     def _spec(self, p: Problem, device: DeviceInfo):
         return registry.prefill_spec(p.dtype, p.cache_kind, p.head_size,
-                                     tile_for(p.head_size, p.quantized, device, p.packed), p.v_cache_kind)
+                                     tile_for(p.head_size, p.quantized, device, p.packed, p.has_bias),
+                                     p.v_cache_kind, bias=p.has_bias)
 
     def _plan(self, p: Problem, device: DeviceInfo, options: Options) -> dict:
-        return launch_plan(p, tile_for(p.head_size, p.quantized, device, p.packed))
+        return launch_plan(p, tile_for(p.head_size, p.quantized, device, p.packed, p.has_bias))
 
     def _shared_bytes(self, p: Problem, device: DeviceInfo) -> int:
-        tile = tile_for(p.head_size, p.quantized, device, p.packed)
-        return shared_bytes(p.head_size, p.quantized, tile, p.packed)
+        tile = tile_for(p.head_size, p.quantized, device, p.packed, p.has_bias)
+        return shared_bytes(p.head_size, p.quantized, tile, p.packed, p.has_bias)
 
     def _tail_args(self, p: Problem, options: Options) -> tuple:
-        """Arguments the attention kernel takes after the common list (none here)."""
-        return ()
+        """Arguments the attention kernel takes after the common list: attention_bias (a pointer, null
+        without one) and its dims (batch, heads, q_capacity, kv_capacity; 1, 1, 0, 0 without one)."""
+        dims = p.bias_shape if p.has_bias else (1, 1, 0, 0)
+        return (POINTER,) + tuple(i32(d) for d in dims)
+
+    def _tail_pointers(self, p: Problem) -> tuple:
+        """The pointer-list positions of the :data:`POINTER` arguments of :meth:`_tail_args`."""
+        return (_I["attention_bias"],)
 
     def _maps(self, p: Problem, tail: tuple):
         """``maps(ptrs) -> tuple of bytes``: the kernel's tensor-map arguments of a call, from ``Call.ptrs``,
@@ -244,7 +269,7 @@ class PrefillBackend(CudaBackend):
         r = _Recipe()
         r.q_bytes = 0 if passthrough else launch.align(
             p.token_count * p.num_heads * p.head_size * call.dev["query"].dtype.itemsize)
-        pointers = list(_ATTEND_POINTERS)
+        pointers = list(_ATTEND_POINTERS) + list(self._tail_pointers(p))
         if passthrough:
             pointers[0] = _I["query"]
         if kv_from_inputs(p, options):

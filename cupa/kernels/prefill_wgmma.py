@@ -113,7 +113,8 @@ class PrefillWgmmaBackend(PrefillBackend):
     """The mma.sync prefill's run() (prologue, workspace, zero-token shortcut) with the wgmma kernel."""
 
     name = "prefill_wgmma"
-    serves = frozenset({"return_lse"})   # not the packed 4-bit caches PrefillBackend reads
+    serves = frozenset({"return_lse"})   # not the packed 4-bit caches or the bias PrefillBackend reads
+    unverified = frozenset()
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         p, reasons = problem, []
@@ -172,6 +173,9 @@ class PrefillWgmmaBackend(PrefillBackend):
     def _tail_args(self, p: Problem, options: Options) -> tuple:
         cache_box, inputs = tma_plan(p, options)
         return (launch.TENSOR_MAP,) * 4 + (i32(cache_box), i32(int(inputs)), i32(launch_plan(p)["tiles_per_seq"]))
+
+    def _tail_pointers(self, p: Problem) -> tuple:
+        return ()
 
     def _maps(self, p: Problem, tail: tuple):
         return _maps(p, int(tail[4]), bool(tail[5]))  # the plan the kernel's arguments carry

@@ -46,12 +46,17 @@ def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, stages: int, ke
                       f"{stages}, {'true' if keys_as_m else 'false'}{v_arg}>")
 
 
-def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple, v_cache_kind: str = None) -> Specialization:
-    """``tile``: (query rows, keys) of a CTA's tile (PrefillConfig in prefill.cu)."""
+def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple, v_cache_kind: str = None,
+                 bias: bool = False) -> Specialization:
+    """``tile``: (query rows, keys) of a CTA's tile (PrefillConfig in prefill.cu); ``bias``: the instance that
+    adds attention_bias (caches of T)."""
     rows, keys = tile
+    v_arg = types.v_cache_arg(cache_kind, v_cache_kind, dtype)
+    if bias:
+        v_arg = f", {types.cache(v_cache_kind or cache_kind, dtype)}, true"
     return Specialization(
         "prefill", f"paged_prefill<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}, {rows}, {keys}"
-                   f"{types.v_cache_arg(cache_kind, v_cache_kind, dtype)}>")
+                   f"{v_arg}>")
 
 
 def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128) -> Specialization:
