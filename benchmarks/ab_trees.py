@@ -48,15 +48,20 @@ QUANT_CASES = {
 }
 
 #: name -> (cupa.bench.cases function, its positional arguments, its keyword arguments, extra operator
-#: attributes, bias: None or "full" (a (B, H, q, kv) fp16 attention_bias)): calls the general backend serves
+#: attributes, bias: None or "full" (a (B, H, q, kv) fp16 attention_bias), Options(backend=...)): calls with
+#: the general backend's features (output_qk, attention_bias), on the library's choice or a named backend
 GENERAL_CASES = {
     "general decode B=8 L=8192 int8 per channel qk_output=1": (
-        "decode", (8, 8192), dict(cache="int8", quant="PER_CHANNEL"), {"qk_output": 1}, None),
+        "decode", (8, 8192), dict(cache="int8", quant="PER_CHANNEL"), {"qk_output": 1}, None, "auto"),
     "general decode B=8 L=8192 fp8 per channel qk_output=1": (
-        "decode", (8, 8192), dict(cache="fp8", quant="PER_CHANNEL"), {"qk_output": 1}, None),
+        "decode", (8, 8192), dict(cache="fp8", quant="PER_CHANNEL"), {"qk_output": 1}, None, "auto"),
     "general prefill B=4 q=2048 int8 per channel bias": (
-        "prefill", (4, 2048), dict(cache="int8", quant="PER_CHANNEL"), {}, "full"),
-    "general prefill B=4 q=2048 bias": ("prefill", (4, 2048), {}, {}, "full"),
+        "prefill", (4, 2048), dict(cache="int8", quant="PER_CHANNEL"), {}, "full", "auto"),
+    "general prefill B=4 q=2048 bias": ("prefill", (4, 2048), {}, {}, "full", "auto"),
+    "general prefill B=4 q=2048 int8 per channel bias (general backend)": (
+        "prefill", (4, 2048), dict(cache="int8", quant="PER_CHANNEL"), {}, "full", "general"),
+    "general prefill B=4 q=2048 int4 per channel bias": (
+        "prefill", (4, 2048), dict(cache="int4", quant="PER_CHANNEL"), {}, "full", "auto"),
 }
 
 
@@ -131,23 +136,30 @@ def main(argv=None) -> int:
         print(f"{args.label}: {name}: {entry['median_us']:.1f} us", flush=True)
         del built, inputs, first
         cp.get_default_memory_pool().free_all_blocks()
-    for name, (kind, pos, kw, attributes, bias) in GENERAL_CASES.items():
+    for name, (kind, pos, kw, attributes, bias, backend) in GENERAL_CASES.items():
         if args.cases not in name:
             continue
         built = cases.build(getattr(cases, kind)(*pos, **kw), cp)
-        op = cupa.PagedAttention(**{**built.attributes, **attributes})
         inputs = built.call_inputs()
         if bias == "full":
             c = built.case
             shape = (c.batch_size, c.num_heads, max(c.q_lens), int(c.kv_lens.max()))
             inputs["attention_bias"] = cp.random.RandomState(1).standard_normal(shape, dtype=np.float32).astype(
                 np.float16)
+        try:
+            op = cupa.PagedAttention(**{**built.attributes, **attributes}, options=cupa.Options(backend=backend))
+            entry_backend = op.plan(**inputs).backend.name
+        except cupa.PagedAttentionError as exc:  # an older tree without a backend for the call
+            result["cases"][name] = {"status": "not served", "reason": str(exc)}
+            print(f"{args.label}: {name}: not served", flush=True)
+            continue
         first = op(**inputs)
         first = first[0] if isinstance(first, tuple) else first
         cp.cuda.Device().synchronize()
         entry = timer.time_us(lambda: op(**inputs), reps=args.reps)
         again = op(**inputs)
         entry["same_output"] = bool(cp.array_equal(first, again[0] if isinstance(again, tuple) else again))
+        entry["backend"] = entry_backend
         if kind == "prefill":
             entry["tflop_per_s"] = built.case.flops() / (entry["median_us"] * 1e-6) / 1e12
         result["cases"][name] = entry

@@ -111,7 +111,6 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   static_assert(D % 64 == 0 && D <= 256, "head_size 64, 128 or 256");
   static_assert(KEYS % 32 == 0 && KEYS <= THREADS, "one thread per key row when finding rows");
   static_assert(ROWS <= THREADS && ROWS % 32 == 0, "one thread per query row when locating rows");
-  static_assert(!BIAS || !Cache::quantized, "attention_bias instances: 16-bit caches");
 
   // The prologue's writes (cache rows, Q workspace) are visible after grid_dependency_wait. Without
   // new-key inputs every CTA waits here; with them (NewKeys, prefill_tiles.cuh) CTA 0 does (so the
@@ -312,7 +311,7 @@ __global__ void __launch_bounds__(PrefillConfig<D, TILE_ROWS, TILE_KEYS>::WARPS 
   auto load_bias = [&](int st, int kt) {
     if constexpr (BIAS) {
       const int c = tid % BCH, k0 = klo + kt * KEYS + 8 * c;
-#pragma unroll
+#pragma unroll 1  // (unrolled, ptxas keeps every row's operands live and spills on sm_100/120)
       for (int i = 0; i < ROWS * BCH / THREADS; ++i) {
         const int r = tid / BCH + i * (THREADS / BCH);
         const int lo = sLo[r], hi = sHi[r];

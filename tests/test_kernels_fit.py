@@ -80,11 +80,11 @@ def chosen(arch: str) -> list:
                 assert tile is not None, (arch, d, kind)
                 out.append((registry.prefill_spec(dt, kind, d, tile, v_kind),
                             prefill.shared_bytes(d, quantized, tile, packed)))
-        for d in prefill.PREFILL_HEAD_SIZES:  # attention_bias (caches of T); where none fits, the backend declines
-            tile = prefill.tile_for(d, False, device, bias=True)
-            if tile is not None:
-                out.append((registry.prefill_spec(dt, "T", d, tile, bias=True),
-                            prefill.shared_bytes(d, False, tile, bias=True)))
+            for d in prefill.PREFILL_HEAD_SIZES:  # attention_bias; where none fits, the backend declines
+                tile = prefill.tile_for(d, quantized, device, packed, bias=True)
+                if tile is not None:
+                    out.append((registry.prefill_spec(dt, kind, d, tile, v_kind, bias=True),
+                                prefill.shared_bytes(d, quantized, tile, packed, bias=True)))
     if ARCHS[arch] == prefill_wgmma.CAPABILITY:
         for dt in prefill_wgmma.WGMMA_DTYPES:
             out.append((registry.prefill_wgmma_ws_spec(dt), prefill_wgmma.shared_bytes(SimpleNamespace(head_size=128))))

@@ -75,12 +75,12 @@ def test_fused_backends_decline_and_the_general_backend_alone_serves(rng, case, 
         assert f"{name}: not considered (options.backend='general')" in text
 
 
-@pytest.mark.parametrize("case", ["bias_decode", "bias_int8", "scores", "probabilities"])
+@pytest.mark.parametrize("case", ["bias_decode", "bias_fp32", "scores", "probabilities"])
 def test_the_default_choice_for_bias_and_output_qk_is_the_general_backend(rng, case):
-    """Prefill-shaped bias calls over caches of T are the tensor-core prefill's (tests/test_prefill_bias_host.py);
-    decode-shaped or quantized ones, and output_qk, the general backend's."""
+    """Prefill-shaped fp16/bf16 bias calls are the tensor-core prefill's (tests/test_prefill_bias_host.py);
+    decode-shaped or float32 ones, and output_qk, the general backend's."""
     kw = {"bias_decode": dict(bias=(False, False), q_lens=[1, 1]),
-          "bias_int8": dict(bias=(False, False), cache="int8")}.get(case) or FEATURE_CASES[case]
+          "bias_fp32": dict(bias=(False, False), dtype="float32")}.get(case) or FEATURE_CASES[case]
     p = problem_of(rng, **kw)
     assert dispatch.choose(p, H200, DEFAULT) is general.BACKEND
     text = dispatch.account(p, H200, DEFAULT)

@@ -12,7 +12,7 @@ import pytest
 import cupa
 from cupa import dispatch
 from cupa.device import describe_capability
-from cupa.kernels import general, prefill, prefill_wgmma, registry
+from cupa.kernels import general, prefill, prefill_wgmma, registry, types
 from tests.test_dispatch import problem_of
 from tests.test_launch_fastpath import FakeCupy, fake_case, fake_cupy
 
@@ -44,13 +44,23 @@ def test_choice_follows_verification_and_shape(rng, monkeypatch):
     assert dispatch.choose(with_qk, H200, cupa.Options()) is general.BACKEND
 
 
+@pytest.mark.parametrize("kw", [dict(cache="int8"), dict(cache="fp8", k_quant="PER_TENSOR"), dict(cache="int4"),
+                                dict(cache="int4", v_cache="fp4")])
+def test_quantized_and_packed_caches_take_the_bias_instances(rng, kw):
+    """Every cache kind the prefill kernel reads has bias instances (packed 4-bit caches have no other backend
+    for a bias)."""
+    p = problem_of(rng, bias=(False, True), **kw)
+    assert dispatch.choose(p, H200, cupa.Options()) is prefill.BACKEND
+    spec = prefill.BACKEND._spec(p, H200)
+    assert spec.name_expression.endswith(", true>") and str(spec) in {str(s) for s in prefill.BACKEND.specializations()}
+
+
 @pytest.mark.parametrize("kw,device,why", [
-    (dict(cache="int8"), H200, "caches of T only"),
-    (dict(cache="fp8"), H200, "caches of T only"),
     (dict(dtype="float32"), H200, "float16 or bfloat16"),
     (dict(D=96), H200, "head_size 96"),
     (dict(D=256), RTX, "paged_prefill with attention_bias needs"),
     (dict(D=64), RTX, "paged_prefill with attention_bias needs"),
+    (dict(D=64, cache="int8"), RTX, "paged_prefill with attention_bias needs"),
 ])
 def test_declines_what_its_bias_instances_do_not_cover(rng, kw, device, why):
     p = problem_of(rng, bias=(True, False), **kw)
@@ -84,9 +94,12 @@ def test_bias_specializations():
         "prefill:paged_prefill<__half, CacheSame<__half>, 128, 128, 32>"
     specs = {str(s) for s in prefill.BACKEND.specializations()}
     for dtype in prefill.PREFILL_DTYPES:
-        for d, tiles in prefill.BIAS_TILES.items():
-            for tile in tiles:
-                assert str(registry.prefill_spec(dtype, "T", d, tile, bias=True)) in specs
+        for kind, v_kind in types.KV_KINDS:
+            for d, tiles in prefill.BIAS_TILES.items():
+                for tile in tiles:
+                    assert str(registry.prefill_spec(dtype, kind, d, tile, v_kind, bias=True)) in specs
+    assert str(registry.prefill_spec("float16", "int4", 128, (128, 32), "fp4", bias=True)) == (
+        "prefill:paged_prefill<__half, CacheInt4, 128, 128, 32, CacheFp4, true>")
     assert not any(", true>" in s for s in map(str, prefill_wgmma.BACKEND.specializations()))
 
 

@@ -12,9 +12,8 @@ lengths back.
 The first CTAs of the grid write zeros to output rows no sequence owns. attention_metadata is
 not needed to size anything: results are the same bits with or without it.
 
-With attention_bias (caches of T), the kernel's bias instances copy each tile's bias entries into
-shared memory with its K/V tile and add them to the scores as fragments (ldmatrix); they use the tiles
-of :data:`BIAS_TILES`.
+With attention_bias, the kernel's bias instances copy each tile's bias entries into shared memory with
+its K/V tile and add them to the scores as fragments (ldmatrix); they use the tiles of :data:`BIAS_TILES`.
 """
 
 from __future__ import annotations
@@ -150,9 +149,6 @@ class PrefillBackend(CudaBackend):
         p, reasons = problem, packed_cache_reasons(problem)
         if p.dtype not in PREFILL_DTYPES:
             reasons.append(f"T={p.dtype}: the tensor-core prefill takes float16 or bfloat16")
-        if p.has_bias and p.quantized:
-            reasons.append(f"attention_bias with a {p.cache_kind} cache: the tensor-core prefill adds a bias over "
-                           "caches of T only (the general backend serves quantized ones)")
         if p.head_size not in PREFILL_HEAD_SIZES:
             reasons.append(f"head_size {p.head_size} not in {PREFILL_HEAD_SIZES}")
         elif (tile := tile_for(p.head_size, p.quantized, device, p.packed, p.has_bias)) is None:
@@ -184,8 +180,8 @@ class PrefillBackend(CudaBackend):
                 specs.append(registry.prologue_spec(dtype, kind, v_cache_kind=v_kind))
                 specs.extend(registry.prefill_spec(dtype, kind, d, tile, v_kind)
                              for d in PREFILL_HEAD_SIZES for tile in TILES[d])
-            specs.extend(registry.prefill_spec(dtype, "T", d, tile, bias=True)
-                         for d in PREFILL_HEAD_SIZES for tile in BIAS_TILES[d])
+                specs.extend(registry.prefill_spec(dtype, kind, d, tile, v_kind, bias=True)
+                             for d in PREFILL_HEAD_SIZES for tile in BIAS_TILES[d])
         return specs
 
     def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:

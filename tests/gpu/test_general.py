@@ -255,10 +255,10 @@ def test_empty_call(cp, rng):
 
 
 def test_not_chosen_by_default_until_verified(cp, rng, monkeypatch):
-    """Unverified, without Options(backend="general") a bias call only it serves (a quantized cache) raises the
-    clear error; explain() says why."""
+    """Unverified, without Options(backend="general") a bias call only it serves (float32) raises the clear
+    error; explain() says why."""
     monkeypatch.setattr(general.BACKEND, "verified", False)
-    inputs, attrs = util.build(rng, bias=(False, False), cache="int8")
+    inputs, attrs = util.build(rng, bias=(False, False), dtype="float32")
     attrs.pop("options")
     dev = util.to_device(cp, inputs)
     with pytest.raises(cupa.PagedAttentionError, match="general: not yet verified on a GPU"):

@@ -30,13 +30,14 @@ def prefill_backend(monkeypatch):
     monkeypatch.setattr(util, "OPTIONS", PREFILL)
 
 
-def check(cp, rng, *, dtype="float16", metadata=None, inputs_fn=None, **kw):
-    inputs, attrs = util.build(rng, dtype=dtype, **kw)
+def check(cp, rng, *, dtype="float16", cache="T", metadata=None, inputs_fn=None, **kw):
+    inputs, attrs = util.build(rng, dtype=dtype, cache=cache, **kw)
     if inputs_fn is not None:
         inputs_fn(inputs)
     plan = cupa.PagedAttention(**attrs).plan(**util.to_device(cp, inputs), attention_metadata=metadata)
     assert plan.backend is prefill.BACKEND
-    return util.check_outputs_against_reference(cp, inputs, attrs, metadata=metadata, dtype=dtype)
+    assert plan.backend._spec(plan.problem, plan.device).name_expression.endswith(", true>")
+    return util.check_outputs_against_reference(cp, inputs, attrs, metadata=metadata, dtype=dtype, cache=cache)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -53,6 +54,26 @@ def test_bias_capacities(cp, rng, pad, D):
     """Capacities larger than needed, exact and smaller than needed (masked, never read); kv capacities of
     any residue mod 8 (the whole-chunk copies and the entry-by-entry ones)."""
     check(cp, rng, D=D, H=8, Hk=2, bias=(False, False), bias_pad=pad, **SHAPES["chunked"])
+
+
+@pytest.mark.parametrize("cache,kq,vq,v_cache", [
+    ("int8", "PER_CHANNEL", "PER_CHANNEL", None), ("int8", "PER_TENSOR", "PER_CHANNEL", None),
+    ("fp8", "PER_TENSOR", "PER_TENSOR", None), ("fp8", "PER_CHANNEL", "PER_TENSOR", None),
+    ("int4", "PER_CHANNEL", "PER_CHANNEL", None), ("fp4", "PER_TENSOR", "PER_CHANNEL", None),
+    ("int4", "PER_CHANNEL", "PER_TENSOR", "fp4"), ("fp4", "PER_CHANNEL", "PER_CHANNEL", "int4"),
+])
+@pytest.mark.parametrize("dtype,D", [("float16", 128), ("bfloat16", 128), ("float16", 64), ("bfloat16", 256)])
+def test_bias_quantized_and_packed_caches(cp, rng, cache, kq, vq, v_cache, dtype, D):
+    """int8, fp8 and packed 4-bit caches (K and V of either 4-bit kind), both scale granularities, with a bias."""
+    check(cp, rng, dtype=dtype, cache=cache, v_cache=v_cache, k_quant=kq, v_quant=vq, D=D, bias=(False, True),
+          bias_pad=(2, 5), sink=True, return_lse=True, **SHAPES["chunked"])
+
+
+def test_bias_fp8_nan_codes_in_unread_rows(cp, rng):
+    inputs, attrs = util.build(rng, cache="fp8", block_table="unmapped", bias=(False, False), return_lse=True,
+                               **SHAPES["chunked"])
+    assert util.poison_unused_cache_rows(inputs, 16) > 0
+    util.check_outputs_against_reference(cp, inputs, attrs, cache="fp8")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
