@@ -7,7 +7,8 @@ offset), QK-norm, sinks, softcap, windows, is_causal=0, explicit slots and posit
 caches and packed int4 / e2m1 4-bit ones (K and V of either 4-bit kind) with mixed granularities,
 attention_metadata absent, tight or loose, an empty cache, and
 malformed data (bad block ids, bad slots, negative or oversized lengths, decreasing cum, negative or
-out-of-range positions), output_qk (scores or probabilities) and lse. Every configuration runs on the
+out-of-range positions), output_qk (scores or probabilities), lse and attention_bias (broadcast
+dimensions, capacities larger or smaller than the lengths, -inf entries). Every configuration runs on the
 backend dispatch chooses and on every other CUDA backend that serves it (``cupa.Options(backend=...)``,
 verified or not), with the output poisoned (and output_qk, lse and the workspaces where the call asks for
 them). The output must be within the tolerances of contract §6 of the reference, every output element
@@ -141,9 +142,25 @@ def draw(seed: int) -> tuple:
         notes.append("loose metadata")
     if inputs.get("query_positions") is not None and attrs.get("do_rotary"):
         inputs["query_positions"] = np.minimum(inputs["query_positions"], inputs["cos_cache"].shape[0] + 3)
+    # attention_bias, from a stream of its own (added after everything else is drawn, so the other draws stay
+    # the same): (1 or B, 1 or H, q_capacity, kv_capacity), capacities from the drawn lengths plus a pad that
+    # may be negative (an undersized capacity masks), some entries -inf
+    bias_shape = None
+    brng = np.random.default_rng((seed, 6))
+    if brng.random() < 0.15:
+        q_pad, kv_pad = ((0, 0), (3, 17), (0, 8), (1, 3), (-2, -5), (0, -40))[int(brng.integers(6))]
+        q_cap = int(max(1, max(q_lens) + q_pad))
+        kv_cap = int(max(1, max(p + q for p, q in zip(past, q_lens)) + kv_pad))
+        bias_shape = (1 if brng.random() < 0.3 else B, 1 if brng.random() < 0.3 else H, q_cap, kv_cap)
+        values = brng.standard_normal(bias_shape) * 2.0
+        if brng.random() < 0.3:
+            values[brng.random(bias_shape) < 0.2] = -np.inf
+        inputs["attention_bias"] = values.astype(inputs["query"].dtype)
+        notes.append("bias")
     desc = dict(seed=seed, dtype=dtype, D=D, H=H, Hk=Hk, block_size=block_size, B=B, cache=cache,
                 v_cache=v_cache or cache, notes=notes, qk_output=kw["qk_output"], return_lse=kw["return_lse"],
-                q_lens=[int(x) for x in q_lens_now], past=[int(x) for x in inputs["past_seqlens"]])
+                q_lens=[int(x) for x in q_lens_now], past=[int(x) for x in inputs["past_seqlens"]],
+                bias=list(bias_shape) if bias_shape else None)
     return inputs, attrs, metadata, desc
 
 

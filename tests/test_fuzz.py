@@ -23,7 +23,7 @@ def test_configurations_are_valid_calls_of_every_kind():
             seen.add("mixed 4-bit kinds")
     for want in ("decode", "prefill", "chunked", "mixed", "slot_mapping", "negative past", "empty cache",
                  "tight metadata", "cache=int8", "cache=fp8", "cache=int4", "cache=fp4", "dtype=bfloat16", "bs=1",
-                 "bs=17", "qk_output=1", "qk_output=2", "return_lse=True"):
+                 "bs=17", "qk_output=1", "qk_output=2", "return_lse=True", "bias"):
         assert want in seen, (want, sorted(seen))
     assert "mixed 4-bit kinds" in seen
 
