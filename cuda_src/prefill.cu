@@ -26,8 +26,12 @@
 // floor(N*G/ROWS) + B covers them all; a CTA finds its sequence with a warp-wide search and exits
 // at once when its index is a gap. Tiles run heaviest-first (the last rows of a causal sequence
 // see the most keys). The zero-pass CTAs zero the rows of tokens no sequence owns.
+// With BIAS, attention_bias (batch 1 or B, heads 1 or H, q_capacity, kv_capacity) is added to the scores
+// after the scale and before softcap: each row's range ends at the capacities (general.cuh), tiles start at
+// a multiple of 8 keys, and each stage holds the tile's bias entries beside its K/V rows (load_bias).
 // Reads: Q (the prologue's workspace or `query`), the caches through the block table (or new K/V
-// from key / value: NewKeys), cum / past_seqlens / query_positions, head_sink, the scales. Writes:
+// from key / value: NewKeys), cum / past_seqlens / query_positions, head_sink, the scales, the bias
+// entries of admitted keys' chunks. Writes:
 // `out`, and `lse` when asked for (non-null: each row's log-sum-exp, from the epilogue's row max and
 // sum; -inf for the zero pass's tokens). Host values that size the launch: token_count, batch_size,
 // head counts and the tile (TILE_ROWS x TILE_KEYS); none enters a mask.

@@ -49,7 +49,7 @@ def decode_mma_spec(dtype: str, cache_kind: str, head_size: int, stages: int, ke
 def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple, v_cache_kind: str = None,
                  bias: bool = False) -> Specialization:
     """``tile``: (query rows, keys) of a CTA's tile (PrefillConfig in prefill.cu); ``bias``: the instance that
-    adds attention_bias (caches of T)."""
+    adds attention_bias (its VCache always spelled out)."""
     rows, keys = tile
     v_arg = types.v_cache_arg(cache_kind, v_cache_kind, dtype)
     if bias:
