@@ -3,9 +3,9 @@
     python benchmarks/mla_waves.py [--waves 1,2,3,4,6,8] [--reps 20] [--out mla_waves.json]
     python benchmarks/mla_waves.py --plans 9.0      # the plans only, for a described GPU (no device)
 
-The MLA split plan cuts the key axis at a chunk drawn from static sizes only (contract §4.5: a bound
-drops trailing splits, never changes the chunk), aiming for ``mla_waves`` waves of resident CTAs over
-the block table's capacity. Each line gives a case, the waves, the median (the repository's timer:
+The MLA split plan lets each row tile cut its own keys into at most ``tile_splits`` chunks (contract §4.5:
+a tile's split depends on its own keys, a bound only drops trailing splits), ``tile_splits`` aiming for
+``mla_waves`` waves of resident CTAs. Each line gives a case, the waves, the median (the repository's timer:
 CUDA events, L2 flushed before each run), the splits launched and the largest difference from the
 one-wave output (split merges round differently; within the contract's tolerance).
 """
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
             problem = op._problem(op._bind((), built.call_inputs()))
             for w in waves:
                 plan = mla.launch_plan(problem, described, cupa.Options(_tuning=_Tuning(mla_waves=w)))
-                print(f"{case.name} waves={w}: {plan['num_splits']} split(s) of {plan['chunk']} keys, "
+                print(f"{case.name} waves={w}: {plan['num_splits']} split(s) a tile, "
                       f"{plan['num_tiles']} row tiles, capacity {problem.static_kv_capacity}")
         return 0
     import cupy as cp
@@ -70,9 +70,9 @@ def main(argv=None) -> int:
             o = cp.asnumpy(out).astype("float32")
             first = o if first is None else first
             diff = float(abs(o - first).max())
-            result[f"{case.name} waves={w}"] = dict(t, num_splits=plan["num_splits"], chunk=plan["chunk"], max_diff=diff)
-            print(f"{case.name} waves={w}: {t['median_us']:.1f} us, {plan['num_splits']} split(s) of {plan['chunk']} "
-                  f"keys, max diff {diff:.2e}", flush=True)
+            result[f"{case.name} waves={w}"] = dict(t, num_splits=plan["num_splits"], max_diff=diff)
+            print(f"{case.name} waves={w}: {t['median_us']:.1f} us, {plan['num_splits']} split(s) a tile, "
+                  f"max diff {diff:.2e}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

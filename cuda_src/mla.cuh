@@ -7,9 +7,12 @@
 // as the prefill kernels number theirs (prefill_tiles.cuh, group = num_heads since kv_num_heads = 1);
 // global row R = t * num_heads + h addresses Q (R * 576), the output (R * 512), lse (R) and the split
 // partials ((R * num_splits + split) * 512), so the rows of a tile are contiguous everywhere.
-// Splits: keys are cut at multiples of `chunk` (static sizes only); a split whose range misses every
-// row of the tile exits; a tile whose admitted keys meet one split is finalized by it, otherwise each
-// split writes fp32 partial states and the last one to finish merges them (epilogue.cuh).
+// Splits (mla_splits): each tile cuts its own keys -- the union of its rows' admitted ranges, from a
+// multiple of MLA_CHUNK_ALIGN -- into at most `tile_splits` (a host value from static sizes) chunks of at
+// least MLA_MIN_CHUNK keys, so a tile's split depends on its own range only, never on attention_metadata;
+// CTAs of splits past the tile's count exit. A tile of one split is finalized by it; otherwise each split
+// writes fp32 partial states, split 0 records the tile (MlaTileRecord), and paged_mla_merge
+// (mla_merge.cu), launched next, merges them over the whole GPU.
 #pragma once
 #include "common.cuh"
 #include "epilogue.cuh"
@@ -21,6 +24,8 @@
 constexpr int MLA_D = 576;   // latent row: 512 compressed channels + 64 rotary channels
 constexpr int MLA_DV = 512;  // V: the leading 512 channels of the row
 constexpr unsigned MLA_NO_ROW = 0xffffffffu;  // a masked key's cache row (zero-filled, never read)
+constexpr int MLA_CHUNK_ALIGN = 64;  // splits start at multiples of this (a key tile, the wgmma tile origin)
+constexpr int MLA_MIN_CHUNK = 256;   // fewest keys per split (mirrored in cupa/kernels/mla.py)
 
 // A CTA's row tile, as mla_locate_tile leaves it in shared memory.
 struct MlaTile {
@@ -29,7 +34,35 @@ struct MlaTile {
   int owned_lo, owned_hi;  // tile rows [owned_lo, owned_hi) are rows of owned tokens: the ones this tile writes
   int lo, hi;              // union of the live rows' admitted key ranges (lo >= hi: none)
   int ilo, ihi;            // their intersection (a key tile inside it, every key mapped, needs no mask)
-  int last;                // merge_splits_if_last's flag
+};
+
+// The split plan of a tile with admitted keys [lo, hi): keys from `base` (lo rounded down to
+// MLA_CHUNK_ALIGN) in `count` chunks of `chunk` keys (a multiple of MLA_CHUNK_ALIGN and at least
+// MLA_MIN_CHUNK unless count is 1), count <= tile_splits, the last one ending at or past hi; count is
+// clamped to the launched splits (an undersized attention_metadata bound omits the keys past them).
+// No keys: one split.
+struct MlaSplits {
+  int base, chunk, count;
+};
+CUPA_DEVICE MlaSplits mla_splits(int lo, int hi, int tile_splits, int num_splits) {
+  MlaSplits sp;
+  sp.base = 0;
+  sp.chunk = MLA_CHUNK_ALIGN;
+  sp.count = 1;
+  if (hi > lo) {
+    sp.base = lo - lo % MLA_CHUNK_ALIGN;
+    const long long span = hi - sp.base;
+    const int n = (int)max(1ll, min((long long)tile_splits, span / MLA_MIN_CHUNK));
+    sp.chunk = (int)(((span + n - 1) / n + MLA_CHUNK_ALIGN - 1) / MLA_CHUNK_ALIGN * MLA_CHUNK_ALIGN);
+    sp.count = (int)min((span + sp.chunk - 1) / sp.chunk, (long long)num_splits);
+  }
+  return sp;
+}
+
+// What paged_mla_merge reads of a row tile of several splits: output rows [row0, row0 + rows) and the
+// splits 0 .. count - 1 that hold their partial states. Zero (the prologue's fill) for the other tiles.
+struct __align__(16) MlaTileRecord {
+  int row0, rows, count, unused;
 };
 
 // Locate row tile x (every thread of the CTA calls it; ROWS <= 64, blockDim.x >= ROWS). Per row r:
@@ -86,15 +119,15 @@ CUPA_DEVICE bool mla_locate_tile(long long x, const int* cum, const int* past, i
   return true;
 }
 
-// The start of an MLA CTA past the zero pass (every thread calls it): locate row tile x and the splits that
-// meet its rows' keys. False -- after waiting for the prologue, as every CTA does before it exits -- when
-// the CTA has nothing to write (a gap between sequences' tiles, no owned row, or a split outside them).
+// The start of an MLA CTA past the zero pass (every thread calls it): locate row tile x and its split plan.
+// False -- after waiting for the prologue, as every CTA does before it exits -- when the CTA has nothing
+// to write (a gap between sequences' tiles, no owned row, or a split past the tile's count).
 template <int ROWS>
-CUPA_DEVICE bool mla_begin_tile(long long x, int split, int chunk, int num_splits, const int* cum, const int* past,
-                                int batch_size, int token_count, int num_heads, const int* query_positions,
-                                long long kv_capacity, int rotary_max_pos, int is_causal, int window, int* sTok,
-                                int* sHead, int* sLo, int* sHi, MlaTile* tile, MlaTile& tl, int& s_first,
-                                int& s_last) {
+CUPA_DEVICE bool mla_begin_tile(long long x, int split, int tile_splits, int num_splits, const int* cum,
+                                const int* past, int batch_size, int token_count, int num_heads,
+                                const int* query_positions, long long kv_capacity, int rotary_max_pos, int is_causal,
+                                int window, int* sTok, int* sHead, int* sLo, int* sHi, MlaTile* tile, MlaTile& tl,
+                                MlaSplits& sp) {
   // The rows and ranges read only inputs the prologue does not write: before the wait.
   if (!mla_locate_tile<ROWS>(x, cum, past, batch_size, token_count, num_heads, query_positions, kv_capacity,
                              rotary_max_pos, is_causal, window, sTok, sHead, sLo, sHi, tile)) {
@@ -102,12 +135,26 @@ CUPA_DEVICE bool mla_begin_tile(long long x, int split, int chunk, int num_split
     return false;
   }
   tl = *tile;
-  split_span(tl.lo, tl.hi, chunk, num_splits, s_first, s_last);
-  if (tl.owned_hi <= tl.owned_lo || split < s_first || split > s_last) {
+  sp = mla_splits(tl.lo, tl.hi, tile_splits, num_splits);
+  if (tl.owned_hi <= tl.owned_lo || split >= sp.count) {
     grid_dependency_wait();
     return false;
   }
   return true;
+}
+
+// Split 0 of a tile of several splits records it for paged_mla_merge (one thread; after the prologue's
+// wait: the prologue zeroes the records).
+CUPA_DEVICE void mla_record_tile(MlaTileRecord* records, long long x, const MlaTile& tl, const MlaSplits& sp,
+                                 int split) {
+  if (split == 0 && sp.count > 1 && threadIdx.x == 0) {
+    MlaTileRecord rec;
+    rec.row0 = (int)(tl.r0 + tl.owned_lo);
+    rec.rows = tl.owned_hi - tl.owned_lo;
+    rec.count = sp.count;
+    rec.unused = 0;
+    records[x] = rec;
+  }
 }
 
 // Rows of tokens no sequence owns (t >= cum[B], or cum[find_owner(t)] > t) get zeros and lse -inf; the
@@ -190,17 +237,17 @@ CUPA_DEVICE void mla_store_state(float M, float L, long long R, int split, int n
   }
 }
 
-// The keys of one CTA: [kbeg, kend) = the tile's union range within split `split`, walked in key tiles
-// from korg (kbeg rounded down to `align`; keys below kbeg are masked).
+// The keys of one CTA: [kbeg, kend) = the tile's union range within its split `split` (mla_splits), walked
+// in key tiles from korg (kbeg rounded down to `align`; keys below kbeg are masked).
 struct MlaKeys {
   int kbeg, kend, korg, ntiles;
 };
-CUPA_DEVICE MlaKeys mla_keys(const MlaTile& tl, int split, int chunk, int keys_per_tile, int align) {
+CUPA_DEVICE MlaKeys mla_keys(const MlaTile& tl, const MlaSplits& sp, int split, int keys_per_tile, int align) {
   MlaKeys k;
   k.kbeg = k.kend = k.korg = k.ntiles = 0;
   if (tl.hi > tl.lo) {
-    k.kbeg = (int)max((long long)tl.lo, (long long)split * chunk);
-    k.kend = (int)min((long long)tl.hi, (long long)(split + 1) * chunk);
+    k.kbeg = (int)max((long long)tl.lo, sp.base + (long long)split * sp.chunk);
+    k.kend = (int)min((long long)tl.hi, sp.base + (long long)(split + 1) * sp.chunk);
     k.korg = k.kbeg - k.kbeg % align;
     if (k.kend > k.kbeg) k.ntiles = (k.kend - k.korg + keys_per_tile - 1) / keys_per_tile;
   }

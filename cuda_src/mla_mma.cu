@@ -18,20 +18,21 @@
 // The K scale is folded into Q (PER_CHANNEL) or the score scale (PER_TENSOR), the V scale (the same
 // k_scale) into the epilogue. Reads: Q (N, H, 576) of T, the latent cache, cum, past_seqlens, block_table,
 // query_positions, k_scale. Writes: the tile's output rows (N, H*512), lse (N, H) when asked, or fp32
-// partial states that the last split CTA of the tile merges (epilogue.cuh); the first zero_ctas CTAs
-// zero the rows of tokens no sequence owns.
+// partial states and the tile's record that paged_mla_merge (mla_merge.cu) merges; the first zero_ctas
+// CTAs zero the rows of tokens no sequence owns.
 //
 // Configurations (ROWS, KEYS; mirrored in cupa/kernels/mla.py, sized so each fits the devices that run
 // it): (64, 64) 232 KB, sm_90; (64, 32) 158 KB, sm_80+ with 163 KB; (16, 64) 169 KB, sm_90 (decode
-// steps of at most 16 heads); (16, 32) 95 KB, every device (sm_86/89/120: 99 KB). 8 warps for 64 rows,
-// 4 for 16 (ROWS*512/threads <= 128 fp32 accumulators a thread).
+// steps of at most 16 heads); (16, 32) 95 KB, every device (sm_86/89/120: 99 KB). 8 warps (ROWS*512/256
+// <= 128 fp32 accumulators a thread; with 16 rows, half the warps make S and all of them the P V, the
+// copies and the rescale, two warps a scheduler to hide each other's latencies).
 // Floors (per key and row: 2*(576+512) FLOPs; per key: 1152 bytes of T, 576 of fp8): a decode step is
 // memory-bound below ~128 heads on an H200 (4.8 TB/s, ~990 TFLOP/s dense). With 16 rows a 64-key tile is
 // 2.2 MFLOP against 72 KB (fp16; an SM's share of the bandwidth brings it in ~2 us, its tensor cores need
 // well under 1 us); shared-memory traffic (~220 KB a tile: K by every row group, Q by every key group,
 // V once) is the next limit, for fp8 tiles (widening adds 108 KB) about at the bandwidth floor.
-// Host values that size the launch: token_count, batch_size, num_heads (tiles), chunk and num_splits
-// (static capacity, SM count); attention_metadata only drops trailing splits; none enters a mask.
+// Host values that size the launch: token_count, batch_size, num_heads (tiles), tile_splits and num_splits
+// (static sizes, SM count); attention_metadata only drops trailing splits; none enters a mask.
 #include "common.cuh"
 #include "epilogue.cuh"
 #include "mla.cuh"
@@ -44,7 +45,7 @@
 constexpr int MLA_MMA_STAGES = 2;
 
 template <int ROWS, int KEYS> struct MlaMmaConfig {
-  static constexpr int WARPS = ROWS >= 64 ? 8 : 4;
+  static constexpr int WARPS = 8;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int MT = ROWS / 16;                // m16 tiles of rows
   static constexpr int S_KEY_WARPS = KEYS / 16;       // S: 16 keys per warp ...
@@ -80,9 +81,9 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
     const typename Cache::storage* __restrict__ key_cache, const int* __restrict__ cum, const int* __restrict__ past,
     const int* __restrict__ block_table, const int* __restrict__ query_positions, const float* __restrict__ k_scale,
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_o, float2* __restrict__ part_ml,
-    int* __restrict__ counters, int token_count, int num_heads, int batch_size, int num_blocks, int block_size,
-    int max_blocks, int zero_ctas, int num_tiles, int chunk, int num_splits, int rotary_max_pos, float scale,
-    float softcap, int window, int is_causal, int k_quant) {
+    MlaTileRecord* __restrict__ records, int token_count, int num_heads, int batch_size, int num_blocks,
+    int block_size, int max_blocks, int zero_ctas, int num_tiles, int tile_splits, int num_splits,
+    int rotary_max_pos, float scale, float softcap, int window, int is_causal, int k_quant) {
   using Cfg = MlaMmaConfig<ROWS, KEYS>;
   using L = MlaMmaSmem<Cache, ROWS, KEYS>;
   using C = typename Cache::storage;
@@ -105,13 +106,13 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
   const int split = blockIdx.y;
   const long long kv_capacity = (long long)max_blocks * block_size;
   MlaTile tl;
-  int s_first, s_last;
-  if (!mla_begin_tile<ROWS>(x, split, chunk, num_splits, cum, past, batch_size, token_count, num_heads,
+  MlaSplits sp;
+  if (!mla_begin_tile<ROWS>(x, split, tile_splits, num_splits, cum, past, batch_size, token_count, num_heads,
                             query_positions, kv_capacity, rotary_max_pos, is_causal, window, sHi + ROWS,
-                            sHi + 2 * ROWS, sLo, sHi, tile, tl, s_first, s_last))
+                            sHi + 2 * ROWS, sLo, sHi, tile, tl, sp))
     return;
-  const bool direct = s_first == s_last;
-  const MlaKeys keys = mla_keys(tl, split, chunk, KEYS, 1);
+  const bool direct = sp.count == 1;
+  const MlaKeys keys = mla_keys(tl, sp, split, KEYS, 1);
   const int ntiles = keys.ntiles;
   const FastDiv block_div(block_size);
 
@@ -135,7 +136,8 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
     }
   };
   find_rows(0);
-  grid_dependency_wait();  // Q, cache rows and split counters come from the prologue
+  grid_dependency_wait();  // Q, cache rows and the zeroed tile records come from the prologue
+  mla_record_tile(records, x, tl, sp, split);
   __syncthreads();
   if (ntiles > 0) issue(0);
   cp_async_commit();
@@ -364,8 +366,4 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
                                          warp * CH, M, Lsum, write, tl.r0, split, num_splits, direct, k_scale, k_quant,
                                          out, part_o);
   }
-  if (!direct)
-    merge_splits_if_last<T, MLA_DV / 32>(counters + x, &tile->last, s_first, s_last, tl.owned_hi - tl.owned_lo,
-                                         MLA_DV, 0, (int)(tl.r0 + tl.owned_lo), num_heads, 0, num_splits,
-                                         (const T*)nullptr, k_scale, k_quant, out, part_o, part_ml, lse);
 }

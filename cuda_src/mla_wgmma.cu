@@ -23,8 +23,8 @@
 // compute-bound, 128 CTAs (2 per token) fill the 132 SMs in one wave without splits. B=8, L=8192:
 // 16 tiles, so 8 splits of 1024 keys give 128 CTAs (18 GFLOP, ~23 us). H=16: memory-bound (302 MB,
 // ~67 us; the 64-row tile's tensor time stays below the load time of a key tile), 64 tiles x 2 splits.
-// Host values that size the launch: token_count, batch_size, num_heads (tiles), chunk and num_splits
-// (static capacity, SM count), tma_box (block_size); attention_metadata only drops trailing splits.
+// Host values that size the launch: token_count, batch_size, num_heads (tiles), tile_splits and num_splits
+// (static sizes, SM count), tma_box (block_size); attention_metadata only drops trailing splits.
 #include "common.cuh"
 #include "epilogue.cuh"
 #include "mla.cuh"
@@ -71,9 +71,9 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
     const typename Cache::storage* __restrict__ key_cache, const int* __restrict__ cum, const int* __restrict__ past,
     const int* __restrict__ block_table, const int* __restrict__ query_positions, const float* __restrict__ k_scale,
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_o, float2* __restrict__ part_ml,
-    int* __restrict__ counters, int token_count, int num_heads, int batch_size, int num_blocks, int block_size,
-    int max_blocks, int zero_ctas, int num_tiles, int chunk, int num_splits, int rotary_max_pos, float scale,
-    float softcap, int window, int is_causal, int k_quant,
+    MlaTileRecord* __restrict__ records, int token_count, int num_heads, int batch_size, int num_blocks,
+    int block_size, int max_blocks, int zero_ctas, int num_tiles, int tile_splits, int num_splits,
+    int rotary_max_pos, float scale, float softcap, int window, int is_causal, int k_quant,
     // TMA: the cache as (576, 1, slots) in boxes of 64 x 1 x tma_box rows, 128B swizzle; tma_box 0 (cp.async
     // only) or 8, 16, 32, 64 dividing block_size (box destinations stay 1024-byte aligned).
     const __grid_constant__ TmaMap tm_cache, int tma_box) {
@@ -106,13 +106,13 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
   const long long kv_capacity = (long long)max_blocks * block_size;
   int* scratch = reinterpret_cast<int*>(sP);  // sTok / sHead: the P buffer is free until the first tile
   MlaTile tl;
-  int s_first, s_last;
-  if (!mla_begin_tile<ROWS>(x, split, chunk, num_splits, cum, past, batch_size, token_count, num_heads,
+  MlaSplits sp;
+  if (!mla_begin_tile<ROWS>(x, split, tile_splits, num_splits, cum, past, batch_size, token_count, num_heads,
                             query_positions, kv_capacity, rotary_max_pos, is_causal, window, scratch,
-                            scratch + ROWS, sLo, sHi, tile, tl, s_first, s_last))
+                            scratch + ROWS, sLo, sHi, tile, tl, sp))
     return;
-  const bool direct = s_first == s_last;
-  const MlaKeys keys = mla_keys(tl, split, chunk, KEYS, KEYS);  // tiles from a multiple of 64: whole TMA boxes
+  const bool direct = sp.count == 1;
+  const MlaKeys keys = mla_keys(tl, sp, split, KEYS, KEYS);  // tiles from a multiple of 64: whole TMA boxes
   const int ntiles = keys.ntiles;
   if (tid == 0) {
     for (int st = 0; st < Cfg::STAGES; ++st) {
@@ -124,7 +124,8 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
     mbar_init(p_empty, 128);
     mbar_init_fence();
   }
-  grid_dependency_wait();  // Q, cache rows and split counters come from the prologue
+  grid_dependency_wait();  // Q, cache rows and the zeroed tile records come from the prologue
+  mla_record_tile(records, x, tl, sp, split);
   __syncthreads();
 
   // V of channels [ch0, ch0 + 128) for keys 16 j2.. of stage st: MN-major, LBO = the next 64-channel slab.
@@ -356,8 +357,4 @@ __global__ void __launch_bounds__(MlaWgConfig::THREADS, 1) paged_mla_wgmma(
   for (int h = 0; h < 2; ++h)
     mla_store_o<T, 16, false>([&](int j, int e) { return o[h][4 * j + e]; }, lane, row0, ch0 + 128 * h, M, Lsum, write,
                        tl.r0, split, num_splits, direct, k_scale, 0, out, part_o);
-  if (!direct)
-    merge_splits_if_last<T, MLA_DV / 32>(counters + x, &tile->last, s_first, s_last, tl.owned_hi - tl.owned_lo,
-                                         MLA_DV, 0, (int)(tl.r0 + tl.owned_lo), num_heads, 0, num_splits,
-                                         (const T*)nullptr, k_scale, 0, out, part_o, part_ml, lse);
 }

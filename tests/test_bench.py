@@ -700,6 +700,6 @@ def test_mla_waves_prints_the_plans_of_a_described_gpu(capsys):
     assert module.main(["--plans", "9.0", "--waves", "1,2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 * len(module.TARGETS)
-    # 16 row tiles of a 16384-key table: 132 // 16 = 8 splits over the capacity -> 4 over 8192 keys, 8 with two waves
-    assert "B=8 L=8192 H=128 waves=1: 4 split(s) of 2048 keys" in lines[2]
-    assert "B=8 L=8192 H=128 waves=2: 8 split(s) of 1024 keys" in lines[3]
+    # 16 row tiles: 132 // 16 = 8 splits a tile, whatever the table's capacity beyond the sequence; 16 with two waves
+    assert "B=8 L=8192 H=128 waves=1: 8 split(s) a tile, 24 row tiles" in lines[2]  # (16 + one gap a sequence)
+    assert "B=8 L=8192 H=128 waves=2: 16 split(s) a tile" in lines[3]

@@ -144,30 +144,51 @@ def test_shared_memory_mirrors_the_kernels():
 
 @pytest.mark.parametrize("H,B,L,N,splits", [
     (128, 64, 4096, 64, 1),    # 128 tiles fill 132 SMs: no split (compute-bound)
-    (128, 8, 8192, 8, 8),      # 16 tiles: 8 splits of 1024 keys -> 128 CTAs
+    (128, 8, 8192, 8, 8),      # 16 tiles: up to 8 splits a tile -> 128 CTAs
     (16, 64, 4096, 64, 2),     # 64 tiles of 16 rows: 2 splits
     (128, 4, 4608, 2048, 1),   # chunked prefill: 4096 tiles
 ])
 def test_split_plan_fills_one_wave(H, B, L, N, splits):
     p = latent_problem(H=H, B=B, L=L, N=N)
     plan = mla.launch_plan(p, H200, DEFAULT)
-    assert plan["num_splits"] == splits
-    assert plan["chunk"] % mla.CHUNK_ALIGN == 0 and plan["chunk"] >= mla.MIN_CHUNK
-    assert plan["chunk"] * splits >= p.static_kv_capacity > plan["chunk"] * (splits - 1)
+    assert plan["num_splits"] == plan["tile_splits"] == splits
+    assert splits <= -(-p.static_kv_capacity // mla.MIN_CHUNK)
     k = plan["kernel"]
     assert plan["num_tiles"] == N * H // k.rows + B and plan["zero_ctas"] == math.ceil(N / k.threads)
     assert plan["grid"] == (plan["zero_ctas"] + plan["num_tiles"], splits)
+    assert plan["merge_grid"] == ((plan["num_tiles"], k.rows // mla.MERGE_WARPS) if splits > 1 else None)
     if splits > 1:
         tiles = N * -(-H // k.rows)
         assert tiles * splits <= k.resident * H200.sm_count
 
 
 def test_bounds_only_drop_trailing_splits():
-    """SPEC 4.5: chunk comes from static sizes; attention_metadata decides how many splits launch."""
+    """SPEC 4.5: each tile's split comes from its own keys and tile_splits (static sizes); attention_metadata
+    decides only how many splits launch, never fewer than a tile within the bound uses."""
     base = mla.launch_plan(latent_problem(H=128, B=8, L=8192, N=8), H200, DEFAULT)
-    for bound, splits in ((8192, 8), (3000, 3), (1, 1), (10**6, 8)):
+    for bound, splits in ((8192, 8), (3000, 8), (1024, 4), (767, 2), (300, 1), (256, 1), (1, 1), (10**6, 8)):
         plan = mla.launch_plan(latent_problem(H=128, B=8, L=8192, N=8, metadata=[1, bound]), H200, DEFAULT)
-        assert plan["chunk"] == base["chunk"] and plan["num_splits"] == splits
+        assert plan["tile_splits"] == base["tile_splits"] == 8 and plan["num_splits"] == splits
+        for lo in (0, 1, 63, 64, 200):
+            for hi in range(lo + 1, min(bound, 8192) + 1, 97):
+                assert mla.tile_split(lo, hi, 8, splits) == mla.tile_split(lo, hi, 8, 8), (bound, lo, hi)
+
+
+@pytest.mark.parametrize("tile_splits", [1, 2, 3, 8, 33])
+def test_tile_split_covers_the_keys_in_aligned_chunks(tile_splits):
+    """mla.tile_split (the mirror of mla_splits in cuda_src/mla.cuh): chunks of CHUNK_ALIGN multiples from lo
+    rounded down, covering [lo, hi), none empty, at most tile_splits, at least MIN_CHUNK keys unless one."""
+    assert mla.tile_split(5, 5, tile_splits, 8) == (0, mla.CHUNK_ALIGN, 1)  # no keys: split 0 writes the rows
+    for lo in (0, 1, 64, 100, 4095):
+        for span in (1, 63, 255, 256, 257, 1000, 4096, 8191, 100000):
+            hi = lo + span
+            base, chunk, count = mla.tile_split(lo, hi, tile_splits, 10**6)
+            assert base == lo - lo % mla.CHUNK_ALIGN and chunk % mla.CHUNK_ALIGN == 0
+            assert 1 <= count <= tile_splits
+            assert base + (count - 1) * chunk < hi <= base + count * chunk  # covered, the last chunk not empty
+            assert count == 1 or chunk >= mla.MIN_CHUNK
+            assert count > 1 or tile_splits == 1 or hi - base < 2 * mla.MIN_CHUNK  # split where it can be
+    assert mla.tile_split(0, 8192, 8, 3) == (0, 1024, 3)  # an undersized bound: the splits past it are dropped
 
 
 def test_more_waves_through_tuning():
@@ -182,9 +203,9 @@ def test_workspace_layout():
     rows = 8 * 128 * plan["num_splits"]
     assert lay["q"] == 0 and lay["part_o"] == 8 * 128 * 576 * 2  # the rotated Q rows first
     assert lay["part_ml"] == lay["part_o"] + rows * 512 * 4
-    assert lay["counters"] == lay["part_ml"] + rows * 8
-    assert p.token_count * lay["counters_per_token"] >= plan["num_tiles"]  # the prologue zeroes every tile's counter
-    assert lay["nbytes"] == lay["counters"] + launch.align(8 * lay["counters_per_token"] * 4)
+    assert lay["records"] == lay["part_ml"] + rows * 8 and lay["records"] % 16 == 0
+    assert p.token_count * lay["counters_per_token"] >= 4 * plan["num_tiles"]  # the prologue zeroes every record
+    assert lay["nbytes"] == lay["records"] + launch.align(8 * lay["counters_per_token"] * 4)
     one = latent_problem(H=128, B=64, L=4096, N=64)  # no rotary (query read in place), one split: no workspace
     assert mla.workspace_layout(one, mla.launch_plan(one, H200, DEFAULT))["nbytes"] == 0
 

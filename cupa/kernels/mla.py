@@ -1,14 +1,17 @@
-"""The absorbed-MLA backend: kv_cache_layout LATENT (DeepSeek-V2/V3/R1), prologue then one fused attention kernel.
+"""The absorbed-MLA backend: kv_cache_layout LATENT (DeepSeek-V2/V3/R1), prologue then one fused attention kernel
+(then a merge kernel where a call has several splits).
 
 In absorbed form MLA is MQA with one wide KV head: every query head reads the same 576-channel latent
 row (512 compressed channels + 64 rotary ones), and V is that row's first 512 channels. After the
 fused prologue (offset RoPE at rotary_offset=512, the latent cache write, quantization), one launch
-does the rest (cuda_src/mla.cuh): a CTA owns a row tile -- ``rows`` consecutive (token, head) rows of
+does the attention (cuda_src/mla.cuh): a CTA owns a row tile -- ``rows`` consecutive (token, head) rows of
 one sequence, token-major, so all heads of a token share every latent tile it reads -- and one split
 of the key axis. Row tiles are numbered as the prefill kernels number theirs (a ragged batch in one
-launch, decode and chunked prefill alike); splits are cut at multiples of a ``chunk`` drawn from
-static sizes only, so attention_metadata only drops trailing splits (bit-identical results with
-absent, tight or loose bounds). The last split CTA of a tile merges the splits' partial states.
+launch, decode and chunked prefill alike). Each tile cuts its own keys into at most ``tile_splits``
+splits (:func:`split_plan`, from static sizes) of at least :data:`MIN_CHUNK` keys, so a tile's split
+depends on its own range only and attention_metadata only drops trailing splits (bit-identical results
+with absent, tight or loose bounds). Where a call has several splits, ``paged_mla_merge``
+(cuda_src/mla_merge.cu) runs next and merges the split tiles' partial states over the whole GPU.
 
 Kernels (:func:`kernel_choice`):
 
@@ -50,10 +53,13 @@ WGMMA_THREADS = 256
 WGMMA_CAPABILITY = (9, 0)
 #: A decode step of at most this many heads takes 16-row tiles (the others 64).
 SMALL_TILE_HEADS = 16
-#: Splits are cut at multiples of this (a key tile, and the wgmma kernel's tile origin).
+#: Splits start at multiples of this (a key tile, and the wgmma kernel's tile origin); MLA_CHUNK_ALIGN in mla.cuh.
 CHUNK_ALIGN = 64
-#: Fewest keys per split (the merge of partial states costs about one key tile's worth of traffic).
+#: Fewest keys per split (the merge of partial states costs about one key tile's worth of traffic);
+#: MLA_MIN_CHUNK in mla.cuh.
 MIN_CHUNK = 256
+#: Rows per CTA of the merge kernel (MLA_MERGE_WARPS in cuda_src/mla_merge.cu: one warp a row).
+MERGE_WARPS = 8
 #: Shared memory the driver reserves per CTA on compute capability 8.0+ (counts against the SM's share).
 RESERVED_SHARED = 1024
 MAX_GRID_X = (1 << 31) - 1
@@ -64,8 +70,8 @@ TMA_MIN_BOX = 8                 # box destinations stay 1024-byte aligned for bo
 
 
 def mma_threads(rows: int) -> int:
-    """Threads of paged_mla_mma: 8 warps for 64-row tiles, 4 for 16 (at most 128 fp32 accumulators a thread)."""
-    return 256 if rows >= 64 else 128
+    """Threads of paged_mla_mma: 8 warps for either tile (at most 128 fp32 accumulators a thread)."""
+    return 256
 
 
 def mma_shared_bytes(rows: int, keys: int, quantized: bool) -> int:
@@ -143,20 +149,34 @@ def kernel_choice(problem: Problem, device: DeviceInfo, options: Options) -> Opt
 
 
 def split_plan(problem: Problem, device: DeviceInfo, options: Options, kernel: Kernel) -> tuple:
-    """``(chunk, num_splits)``: keys per split from static sizes only (block_table capacity, token, head and
-    sequence counts, the SM count), splits launched from the bound. Splits are added only where the row
-    tiles alone would leave SMs idle: enough to fill ``Options._tuning.mla_waves`` waves of resident CTAs,
-    at least :data:`MIN_CHUNK` keys each."""
+    """``(tile_splits, num_splits)``. Each row tile cuts its own keys (its rows' admitted ranges, from a multiple
+    of :data:`CHUNK_ALIGN`) into at most ``tile_splits`` equal chunks of at least :data:`MIN_CHUNK` keys (one
+    where fewer keys; cuda_src/mla.cuh: mla_splits), so a short sequence takes as many splits as a long one,
+    each tile's split
+    depending on its own keys only. ``tile_splits`` comes from static sizes only (token, head and sequence
+    counts, block_table capacity, the SM count): splits are added only where the row tiles alone would leave
+    SMs idle, enough to fill ``Options._tuning.mla_waves`` waves of resident CTAs. ``num_splits`` (launched)
+    drops, from the bound, the splits no tile can reach."""
     p = problem
     rows = kernel.rows
     tiles = p.token_count * -(-p.num_heads // rows) if p.token_count <= p.batch_size else \
         -(-(p.token_count * p.num_heads) // rows)
     slots = options._tuning.mla_waves * kernel.resident * device.sm_count
-    cap = p.static_kv_capacity
-    want = max(1, min(slots // max(1, tiles), -(-cap // MIN_CHUNK)))
-    chunk = -(-max(MIN_CHUNK, -(-cap // want)) // CHUNK_ALIGN) * CHUNK_ALIGN
-    num_splits = max(1, -(-p.max_kv_len_bound // chunk))
-    return chunk, num_splits
+    tile_splits = max(1, min(slots // max(1, tiles), p.static_kv_capacity // MIN_CHUNK))
+    num_splits = max(1, min(tile_splits, p.max_kv_len_bound // MIN_CHUNK))
+    return tile_splits, num_splits
+
+
+def tile_split(lo: int, hi: int, tile_splits: int, num_splits: int) -> tuple:
+    """``(base, chunk, count)``: the split of a tile whose rows admit keys [lo, hi) (mirrors mla_splits in
+    cuda_src/mla.cuh): ``count`` chunks of ``chunk`` keys from ``base``, the last one ending at or past hi."""
+    if hi <= lo:
+        return 0, CHUNK_ALIGN, 1
+    base = lo - lo % CHUNK_ALIGN
+    span = hi - base
+    n = max(1, min(tile_splits, span // MIN_CHUNK))
+    chunk = -(-(-(-span // n)) // CHUNK_ALIGN) * CHUNK_ALIGN
+    return base, chunk, min(-(-span // chunk), num_splits)
 
 
 def tma_box(problem: Problem, options: Options) -> int:
@@ -176,30 +196,31 @@ def launch_plan(problem: Problem, device: DeviceInfo, options: Options) -> dict:
     kernel = kernel_choice(p, device, options)
     if kernel is None:
         return {"kernel": None}
-    chunk, num_splits = split_plan(p, device, options, kernel)
+    tile_splits, num_splits = split_plan(p, device, options, kernel)
     num_tiles = (p.token_count * p.num_heads) // kernel.rows + p.batch_size
     zero_ctas = -(-p.token_count // kernel.threads)  # one thread per token checks its ownership
     return {"kernel": kernel, "rows": kernel.rows, "keys": kernel.keys, "threads": kernel.threads,
             "num_tiles": num_tiles, "zero_ctas": zero_ctas, "grid": (zero_ctas + num_tiles, num_splits),
-            "chunk": chunk, "num_splits": num_splits, "shared": kernel.shared}
+            "tile_splits": tile_splits, "num_splits": num_splits, "shared": kernel.shared,
+            "merge_grid": (num_tiles, kernel.rows // MERGE_WARPS) if num_splits > 1 else None}
 
 
 def workspace_layout(problem: Problem, plan: dict, q_itemsize: int = 2) -> dict:
     """Byte offsets in the call's one workspace: the Q rows the prologue writes (none under
     :func:`cupa.kernels.prologue.q_passthrough`), then with several splits the fp32 partial outputs
-    (rows x splits x 512), the partial (max, sum) pairs and one arrival counter per row tile (zeroed by the
-    prologue as ``counters_per_token`` ints per token)."""
+    (rows x splits x 512), the partial (max, sum) pairs and one 16-byte record per row tile for the merge
+    (MlaTileRecord in cuda_src/mla.cuh; zeroed by the prologue as ``counters_per_token`` ints per token)."""
     p = problem
     q_bytes = 0 if q_passthrough(p) else p.token_count * p.num_heads * p.head_size * q_itemsize
-    layout = {"q": 0, "part_o": 0, "part_ml": 0, "counters": 0, "counters_per_token": 0}
+    layout = {"q": 0, "part_o": 0, "part_ml": 0, "records": 0, "counters_per_token": 0}
     nbytes = launch.align(q_bytes)
     if plan["num_splits"] > 1:
         rows = p.token_count * p.num_heads * plan["num_splits"]
         layout["part_o"] = nbytes
         layout["part_ml"] = layout["part_o"] + launch.align(rows * MLA_V_HEAD_SIZE * 4)
-        layout["counters"] = layout["part_ml"] + launch.align(rows * 8)
-        layout["counters_per_token"] = -(-plan["num_tiles"] // p.token_count)
-        nbytes = layout["counters"] + launch.align(p.token_count * layout["counters_per_token"] * 4)
+        layout["records"] = layout["part_ml"] + launch.align(rows * 8)
+        layout["counters_per_token"] = -(-4 * plan["num_tiles"] // p.token_count)
+        nbytes = layout["records"] + launch.align(p.token_count * layout["counters_per_token"] * 4)
     layout["nbytes"] = nbytes
     return layout
 
@@ -250,10 +271,11 @@ class MlaBackend(CudaBackend):
                                                             else "") + ")")
         return (f"absorbed MLA ({p.num_heads} heads sharing one {MLA_HEAD_SIZE}-channel latent row, V its first "
                 f"{MLA_V_HEAD_SIZE} channels) on {engine}: one CTA per (tile of {k.rows} (token, head) rows of one "
-                f"sequence, split); {plan['num_tiles']} row tiles x {plan['num_splits']} split(s) of {plan['chunk']} "
-                f"key positions + {plan['zero_ctas']} zero-pass CTA(s); keys in tiles of {k.keys} through a "
-                f"{STAGES}-stage pipeline; {k.shared} B of shared memory, {k.resident} CTA(s) per SM; "
-                "fused prologue first")
+                f"sequence, split); {plan['num_tiles']} row tiles x {plan['num_splits']} split(s) (each tile's keys "
+                f"cut into at most {plan['tile_splits']} of at least {MIN_CHUNK}) + {plan['zero_ctas']} zero-pass "
+                f"CTA(s); keys in tiles of {k.keys} through a {STAGES}-stage pipeline; {k.shared} B of shared memory, "
+                f"{k.resident} CTA(s) per SM; fused prologue first"
+                + ("; the split tiles merged by a kernel of their own" if plan["num_splits"] > 1 else ""))
 
     def specializations(self) -> list:
         specs = []
@@ -262,6 +284,7 @@ class MlaBackend(CudaBackend):
                 specs.append(registry.prologue_spec(dtype, kind))
                 specs.extend(registry.mla_mma_spec(dtype, kind, r, k) for r, k in MMA_CONFIGS)
             specs.append(registry.mla_wgmma_spec(dtype))
+            specs.append(registry.mla_merge_spec(dtype))
         return specs
 
     def run(self, plan, inputs: dict, out=None, stream=None):
@@ -282,7 +305,7 @@ class MlaBackend(CudaBackend):
             base = ws.ptr if ws is not None else 0
             lay = r.layout
             extra = [base, call.output_ptr, call.lse_ptr]
-            extra += [base + lay["part_o"], base + lay["part_ml"], base + lay["counters"]] if r.split else [0, 0, 0]
+            extra += [base + lay["part_o"], base + lay["part_ml"], base + lay["records"]] if r.split else [0, 0, 0]
             ptrs = call.ptrs + extra
             r.launches(ptrs, call.stream.ptr, r.maps(ptrs) if r.maps is not None else ())
         return call.finish()
@@ -290,7 +313,8 @@ class MlaBackend(CudaBackend):
     def _recipe(self, plan, call) -> "_Recipe":
         """The prologue and attention launches of a plan and its workspace layout (built once per plan, with
         the call's device current). The attention kernel waits for the prologue in every CTA
-        (grid_dependency_wait) before it reads Q, cache rows or split counters: a programmatic step."""
+        (grid_dependency_wait) before it reads Q or cache rows or writes its tile record: a programmatic step;
+        so does the merge, before it reads the records and partial states."""
         p, device, options = plan.problem, plan.device, plan.options
         a = p.attrs
         lp = launch_plan(p, device, options)
@@ -303,7 +327,7 @@ class MlaBackend(CudaBackend):
         launch.ensure_shared_memory(kernel, k.shared)
         args = (POINTER,) * len(_ATTEND_POINTERS) + (
             i32(p.token_count), i32(p.num_heads), i32(p.batch_size), i32(p.num_blocks), i32(p.block_size),
-            i32(p.max_blocks_per_seq), i32(lp["zero_ctas"]), i32(lp["num_tiles"]), i32(lp["chunk"]),
+            i32(p.max_blocks_per_seq), i32(lp["zero_ctas"]), i32(lp["num_tiles"]), i32(lp["tile_splits"]),
             i32(lp["num_splits"]), i32(p.rotary_max_pos if p.rotary_dim else 0), f32(p.scale), f32(a.softcap),
             i32(a.local_window_size), i32(a.is_causal), i32(types.QUANT_CODE[p.k_quant]))
         r.maps = None
@@ -315,15 +339,21 @@ class MlaBackend(CudaBackend):
         pointers = list(_ATTEND_POINTERS)
         if q_passthrough(p):
             pointers[0] = _I["query"]  # the prologue only writes the latent rows; the kernel reads `query`
-        r.launches = launch.Sequence([(prologue, _PROLOGUE_POINTERS), (attend, pointers, True)], _NPOINTERS,
-                                     route=options.launch, pdl=launch.pdl_allowed(device, options))
+        steps = [(prologue, _PROLOGUE_POINTERS), (attend, pointers, True)]
+        if r.split:
+            merge = jit.get_kernel(registry.mla_merge_spec(p.dtype))
+            steps.append((launch.Launcher(merge, lp["merge_grid"], (MERGE_WARPS * 32,),
+                                          (POINTER,) * len(_MERGE_POINTERS) + (
+                                              i32(lp["num_splits"]), i32(types.QUANT_CODE[p.k_quant]))),
+                          _MERGE_POINTERS, True))
+        r.launches = launch.Sequence(steps, _NPOINTERS, route=options.launch, pdl=launch.pdl_allowed(device, options))
         return r
 
 
 class _Recipe:
-    """The launches of one problem on one device (prologue, then the MLA kernel, whose last split CTA of each
-    tile merges the splits), the workspace layout (:func:`workspace_layout`) and the tensor maps of a call
-    (None: the kernel takes none)."""
+    """The launches of one problem on one device (prologue, the MLA kernel, and with several splits the merge),
+    the workspace layout (:func:`workspace_layout`) and the tensor maps of a call (None: the kernel takes
+    none)."""
 
     __slots__ = ("launches", "split", "layout", "maps")
 
@@ -341,14 +371,16 @@ def _maps(p: Problem, box: int):
     return maps
 
 
-# Pointer arguments, as positions in Call.ptrs extended by [q workspace, output, lse, part_o, part_ml, counters].
-_Q_WS, _OUT, _LSE, _PART_O, _PART_ML, _COUNTERS = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 6)
+# Pointer arguments, as positions in Call.ptrs extended by [q workspace, output, lse, part_o, part_ml, records].
+_Q_WS, _OUT, _LSE, _PART_O, _PART_ML, _RECORDS = range(len(launch.PTR_INDEX), len(launch.PTR_INDEX) + 6)
 _NPOINTERS = len(launch.PTR_INDEX) + 6
 _I = launch.PTR_INDEX
-_PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS, _COUNTERS)
+_PROLOGUE_POINTERS = tuple(_I[n] for n in POINTER_INPUTS) + (_Q_WS, _RECORDS)  # (the prologue zeroes the records)
 # paged_mla_mma / paged_mla_wgmma: q, key_cache, cum, past, block_table, query_positions, k_scale, out, lse,
-# part_o, part_ml, counters
+# part_o, part_ml, records
 _ATTEND_POINTERS = (_Q_WS, _I["key_cache"], _I["cumulative_sequence_length"], _I["past_seqlens"], _I["block_table"],
-                    _I["query_positions"], _I["k_scale"], _OUT, _LSE, _PART_O, _PART_ML, _COUNTERS)
+                    _I["query_positions"], _I["k_scale"], _OUT, _LSE, _PART_O, _PART_ML, _RECORDS)
+# paged_mla_merge: records, part_o, part_ml, k_scale, out, lse
+_MERGE_POINTERS = (_RECORDS, _PART_O, _PART_ML, _I["k_scale"], _OUT, _LSE)
 
 BACKEND = MlaBackend()

@@ -117,6 +117,11 @@ def mla_mma_spec(dtype: str, cache_kind: str, rows: int, keys: int) -> Specializ
         "mla_mma", f"paged_mla_mma<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {rows}, {keys}>")
 
 
+def mla_merge_spec(dtype: str) -> Specialization:
+    """The split merge of the MLA kernels (cuda_src/mla_merge.cu)."""
+    return Specialization("mla_merge", f"paged_mla_merge<{types.act(dtype)}>")
+
+
 def mla_wgmma_spec(dtype: str) -> Specialization:
     """The Hopper absorbed-MLA kernel (wgmma, T caches), pinned to sm_90a."""
     return Specialization("mla_wgmma", f"paged_mla_wgmma<{types.act(dtype)}, {types.cache('T', dtype)}>",
