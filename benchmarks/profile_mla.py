@@ -1,6 +1,8 @@
 """A few calls of each MLA decode target, for a profiler (ncu) to look at.
 
     ncu --clock-control none -k regex:paged_mla -c 8 python benchmarks/profile_mla.py [--waves 2]
+    CUPA_CACHE_DIR=/tmp/li ncu --section SourceCounters --page source --print-source cuda --csv \
+        -k regex:paged_mla_mma -c 1 python benchmarks/profile_mla.py --cases h16 --calls 1 --lineinfo
 
 Each target runs ``--calls`` times (the first compiles), under ``Options(backend="mla")`` and the split
 plan of ``Options._tuning.mla_waves``; the explain() line of each is printed last.
@@ -25,8 +27,15 @@ def main():
     ap.add_argument("--cases", default="h128,b8,h16,fp8")
     ap.add_argument("--waves", type=int, default=1)
     ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--lineinfo", action="store_true",
+                    help="compile with -lineinfo (source-level profiles; give it a CUPA_CACHE_DIR of its own)")
     args = ap.parse_args()
     import cupy as cp
+
+    if args.lineinfo:
+        from cupa import jit
+
+        jit.COMMON_OPTIONS = jit.COMMON_OPTIONS + ("-lineinfo",)
 
     lines = []
     for name in args.cases.split(","):

@@ -123,16 +123,22 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
                                                          num_blocks, block_size, block_div, tl.b);
   };
   // cp.async copies of tile kt into stage kt % NST: T rows swizzled for ldmatrix, fp8 codes as they are.
+  // A warp copies whole rows, lane l their 16-byte chunks l, l + 32, ...
   auto issue = [&](int kt) {
     constexpr int CPR = D * (int)sizeof(C) / 16;  // 16-byte chunks per row
     const unsigned* rows = sRows + (kt % (NST + 1)) * KEYS;
     const unsigned dst = smem_addr(stages + (kt % NST) * L::stage_bytes);
-    for (int e = tid; e < KEYS * CPR; e += THREADS) {
-      const int key = e / CPR, c = e % CPR;
+    for (int key = warp; key < KEYS; key += Cfg::WARPS) {
       const unsigned row = rows[key];
-      const C* src = key_cache + (unsigned long long)(row == MLA_NO_ROW ? 0u : row) * D + c * (16 / (int)sizeof(C));
-      const unsigned off = Cache::quantized ? (unsigned)(key * D + c * 16) : (unsigned)(swz<D>(key, c * 8) * 2);
-      cp_async_16_or_zero(dst + off, src, row != MLA_NO_ROW);
+      const C* src = key_cache + (unsigned long long)(row == MLA_NO_ROW ? 0u : row) * D;
+#pragma unroll
+      for (int j = 0; j < (CPR + 31) / 32; ++j) {
+        const int c = lane + 32 * j;
+        if (c < CPR) {
+          const unsigned off = Cache::quantized ? (unsigned)(key * D + c * 16) : (unsigned)(swz<D>(key, c * 8) * 2);
+          cp_async_16_or_zero(dst + off, src + c * (16 / (int)sizeof(C)), row != MLA_NO_ROW);
+        }
+      }
     }
   };
   find_rows(0);
@@ -209,23 +215,49 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
     // S = Q K^T on this warp's block, masked; per-row partial maxima to shared memory.
     float s[SMT][2][4];
     if (s_warp) {
+      // With one m16 tile a warp (16 rows) the 36 k-steps feed NACC independent accumulator chains (summed
+      // after the loop), so the MMAs' latency is not paid 36 times in a row.
+      constexpr int NACC = SMT == 1 ? 4 : 1;
+      float sa[SMT][NACC][2][4];
 #pragma unroll
       for (int smt = 0; smt < SMT; ++smt)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) s[smt][j][0] = s[smt][j][1] = s[smt][j][2] = s[smt][j][3] = 0.0f;
-      const int mi = lane >> 3;
-#pragma unroll 4
-      for (int kk = 0; kk < D / 16; ++kk) {
-        unsigned b[4];
-        ldmatrix_x4(b, sK + swz<D>(kw * 16 + (mi >> 1) * 8 + (lane & 7), kk * 16 + (mi & 1) * 8));
+        for (int c = 0; c < NACC; ++c)
 #pragma unroll
-        for (int smt = 0; smt < SMT; ++smt) {
-          unsigned a[4];
-          ldmatrix_x4(a, sQ + swz<D>((rw * SMT + smt) * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
-          Mma<T>::run(s[smt][0], a, b[0], b[1]);
-          Mma<T>::run(s[smt][1], a, b[2], b[3]);
+          for (int j = 0; j < 2; ++j) sa[smt][c][j][0] = sa[smt][c][j][1] = sa[smt][c][j][2] = sa[smt][c][j][3] = 0.0f;
+      // The ldmatrix addresses of swz<D>: chunk c (16 bytes) of row r at r * 2D + ((c ^ (r % 8)) * 16) bytes.
+      // Four k-steps span 8 chunks, inside which the XOR stays, so each lane's 4 offsets within such a
+      // group are computed once and group g adds 128 g bytes. Every row this lane addresses is lane % 8
+      // modulo 8; its K rows take chunks 2 kk + (lane / 8) % 2, its Q rows 2 kk + lane / 16.
+      const int mi = lane >> 3, x = lane & 7;
+      const unsigned k_at = smem_addr(sK + (kw * 16 + (mi >> 1) * 8 + x) * D);
+      unsigned q_at[SMT];
+#pragma unroll
+      for (int smt = 0; smt < SMT; ++smt) q_at[smt] = smem_addr(sQ + ((rw * SMT + smt) * 16 + (lane & 15)) * D);
+#pragma unroll 3
+      for (int g = 0; g < D / 64; ++g) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          unsigned b[4];
+          ldmatrix_x4_at(b, k_at + g * 128 + ((2 * i + (mi & 1)) ^ x) * 16);
+#pragma unroll
+          for (int smt = 0; smt < SMT; ++smt) {
+            unsigned a[4];
+            ldmatrix_x4_at(a, q_at[smt] + g * 128 + ((2 * i + (lane >> 4)) ^ x) * 16);
+            Mma<T>::run(sa[smt][i % NACC][0], a, b[0], b[1]);
+            Mma<T>::run(sa[smt][i % NACC][1], a, b[2], b[3]);
+          }
         }
       }
+#pragma unroll
+      for (int smt = 0; smt < SMT; ++smt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[smt][j][e] = NACC == 1 ? sa[smt][0][j][e]
+                                     : (sa[smt][0][j][e] + sa[smt][1 % NACC][j][e]) +
+                                           (sa[smt][2 % NACC][j][e] + sa[smt][3 % NACC][j][e]);
 #pragma unroll
       for (int smt = 0; smt < SMT; ++smt) {
         float mx[2] = {CUPA_NEG_INF, CUPA_NEG_INF};
