@@ -118,8 +118,9 @@ def test_mask_rules(cp, rng, path, mask):
 
 
 def test_many_splits_bit_identical_under_bounds_and_reruns(cp, rng, path):
-    """A short grid (2 sequences, 128 heads, long keys): several splits merged by the last CTA; absent, tight
-    and loose attention_metadata give the same bits, and so does a second run."""
+    """A short grid (2 sequences, 128 heads, long keys): each tile cuts its keys into several splits (of
+    different sizes for the two lengths) merged by the merge kernel; absent, tight and loose
+    attention_metadata give the same bits, and so does a second run."""
     inputs, attrs = latent(rng, path, B=2, H=128, past=[5000, 3100], return_lse=True)
     outs = []
     for md in (None, np.array([1, 5001], dtype=np.int32), np.array([4, 1 << 20], dtype=np.int32), None):
@@ -127,6 +128,19 @@ def test_many_splits_bit_identical_under_bounds_and_reruns(cp, rng, path):
         outs.append((cp.asnumpy(out).view(np.uint16), lse.view(np.uint32)))
     for o, l in outs[1:]:
         assert np.array_equal(o, outs[0][0]) and np.array_equal(l, outs[0][1])
+
+
+def test_undersized_bound_stays_safe_and_writes_every_row(cp, rng, path):
+    """contract §4.5: a max_kv_len bound below the sequences' lengths launches fewer splits than the tiles
+    want; the keys past them are omitted (the contract is broken), but every owned row is still written
+    (the NaN poison replaced, finite values and lse) and nothing is read or written out of bounds (this
+    test runs under compute-sanitizer in the device check)."""
+    inputs, attrs = latent(rng, path, B=2, H=128, past=[5000, 3100], return_lse=True)
+    dev = util.to_device(cp, inputs)
+    out = cp.full((inputs["query"].shape[0], 128 * DV), np.nan, dtype=dev["query"].dtype)
+    got, lse = cupa.paged_attention(**dev, attention_metadata=np.array([1, 600], dtype=np.int32), out=out, **attrs)
+    cp.cuda.get_current_stream().synchronize()
+    assert np.isfinite(cp.asnumpy(out).astype(np.float32)).all() and np.isfinite(cp.asnumpy(lse)).all()
 
 
 # ---- paging ----------------------------------------------------------------------------------
