@@ -7,7 +7,7 @@
 // read each latent row from memory once per ceil(H / ROWS) tiles. Keys stream through shared memory in
 // tiles of KEYS (cp.async, 2 stages, rows gathered through the block table one by one, so any
 // block_size works; masked keys are zero-filled, never read; fp8 codes are widened to T in shared
-// memory). Per key tile:
+// memory; the next tile's copies are issued by the warps S leaves free, during S). Per key tile:
 //   S = Q K^T   warps split the ROWS x KEYS tile (16 keys x S_MT*16 rows each; Q and K from shared
 //               memory by ldmatrix, 36 k-steps over the 576 channels), mask per row (causal, window,
 //               kv_len, mapped blocks), and publish per-row partial maxima;
@@ -123,20 +123,33 @@ __global__ void __launch_bounds__(MlaMmaConfig<ROWS, KEYS>::THREADS, 1) paged_ml
                                                          num_blocks, block_size, block_div, tl.b);
   };
   // cp.async copies of tile kt into stage kt % NST: T rows swizzled for ldmatrix, fp8 codes as they are.
-  // A warp copies whole rows, lane l their 16-byte chunks l, l + 32, ...
+  // A warp copies KPW consecutive whole rows (their slots read at once, then every copy issued), lane l
+  // their 16-byte chunks l, l + 32, ... Where S leaves warps free (16-row tiles), only those copy: the
+  // copies of the next tile then run beside this tile's S instead of before it.
   auto issue = [&](int kt) {
     constexpr int CPR = D * (int)sizeof(C) / 16;  // 16-byte chunks per row
-    const unsigned* rows = sRows + (kt % (NST + 1)) * KEYS;
+    constexpr int FREE = Cfg::WARPS - Cfg::S_WARPS;
+    constexpr int COPY_WARPS = FREE >= 4 ? 4 : Cfg::WARPS;
+    constexpr int KPW = KEYS / COPY_WARPS;
+    static_assert(KEYS % COPY_WARPS == 0, "whole rows per copy warp");
+    const int cw = warp - (Cfg::WARPS - COPY_WARPS);
+    if (cw < 0) return;
+    const unsigned* rows = sRows + (kt % (NST + 1)) * KEYS + cw * KPW;
     const unsigned dst = smem_addr(stages + (kt % NST) * L::stage_bytes);
-    for (int key = warp; key < KEYS; key += Cfg::WARPS) {
-      const unsigned row = rows[key];
-      const C* src = key_cache + (unsigned long long)(row == MLA_NO_ROW ? 0u : row) * D;
+    unsigned row[KPW];
+#pragma unroll
+    for (int i = 0; i < KPW; ++i) row[i] = rows[i];
+#pragma unroll
+    for (int i = 0; i < KPW; ++i) {
+      const int key = cw * KPW + i;
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(key_cache) +
+                                 (unsigned long long)(row[i] == MLA_NO_ROW ? 0u : row[i]) * (D * sizeof(C)) + lane * 16;
 #pragma unroll
       for (int j = 0; j < (CPR + 31) / 32; ++j) {
         const int c = lane + 32 * j;
         if (c < CPR) {
           const unsigned off = Cache::quantized ? (unsigned)(key * D + c * 16) : (unsigned)(swz<D>(key, c * 8) * 2);
-          cp_async_16_or_zero(dst + off, src + c * (16 / (int)sizeof(C)), row != MLA_NO_ROW);
+          cp_async_16_or_zero(dst + off, src + 512 * j, row[i] != MLA_NO_ROW);
         }
       }
     }
