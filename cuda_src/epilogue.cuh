@@ -53,90 +53,18 @@ CUPA_DEVICE void store_rows(float* m_at, float* l_at, const float* o_at, int num
   }
 }
 
-// Row t * num_heads + h (token t, query head h, KV head g) from the partial states of splits
-// s_first .. s_first + n - 1 (part_ml / part_o rows (t * num_heads + h) * num_splits + s), by one warp: lanes take splits for
-// the max and the sum (a fixed xor tree), then channels, summing the splits in index order with
-// independent loads; lane 0 writes the row's log-sum-exp to lse (optional, (N, H) float32). The partials
-// are read from L2 (__ldcg), never from a possibly stale L1 line. MAX_CH: channels per lane (head_size <=
-// 32 * MAX_CH); PRE: splits whose o is loaded together with the weights (one round trip fewer for up to
-// PRE splits; 0: none, for kernels short of registers).
-template <typename T, int MAX_CH = 8, int PRE = 0>
-CUPA_DEVICE void merge_row(int t, int num_heads, int h, int s_first, int n, int head_size, int g, int num_splits,
-                           const T* head_sink, const float* v_scale, int v_quant, T* out, const float* part_o,
-                           const float2* part_ml, float* lse) {
-  const int D = head_size, lane = threadIdx.x & 31;
-  const long long row0 = ((long long)t * num_heads + h) * num_splits + s_first;
-  float M = CUPA_NEG_INF;
-  for (int i = lane; i < n; i += 32) {
-    const float2 ml = __ldcg(part_ml + row0 + i);
-    if (ml.y > 0.0f) M = fmaxf(M, ml.x);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-  float L = 0.0f, O[MAX_CH];
-#pragma unroll
-  for (int k = 0; k < MAX_CH; ++k) O[k] = 0.0f;
-  // The first PRE splits' o, loaded before their weights are known (one round trip fewer).
-  float pre[PRE > 0 ? PRE : 1][MAX_CH];
-#pragma unroll
-  for (int j = 0; j < PRE; ++j)
-#pragma unroll
-    for (int k = 0; k < MAX_CH; ++k)
-      pre[j][k] = j < n && lane + 32 * k < D ? __ldcg(part_o + (row0 + j) * D + lane + 32 * k) : 0.0f;
-  for (int base = 0; base < n; base += 32) {
-    float c = 0.0f;
-    if (base + lane < n) {
-      const float2 ml = __ldcg(part_ml + row0 + base + lane);
-      if (ml.y > 0.0f) {
-        c = rescale(ml.x, M);
-        L += ml.y * c;
-      }
-    }
-    const int count = min(32, n - base);
-    int j = 0;
-    if (PRE > 0 && base == 0) {
-#pragma unroll
-      for (; j < PRE; ++j) {
-        const float cj = __shfl_sync(0xffffffffu, c, j);
-        if (j >= count || cj == 0.0f) continue;  // an empty split (or one far below the max) adds nothing
-#pragma unroll
-        for (int k = 0; k < MAX_CH; ++k)
-          if (lane + 32 * k < D) O[k] += cj * pre[j][k];
-      }
-    }
-#pragma unroll 4
-    for (; j < count; ++j) {
-      const float cj = __shfl_sync(0xffffffffu, c, j);
-      if (cj == 0.0f) continue;  // an empty split (or one far below the max) adds nothing
-      const float* po = part_o + (row0 + base + j) * D;
-#pragma unroll
-      for (int k = 0; k < MAX_CH; ++k)
-        if (lane + 32 * k < D) O[k] += cj * __ldcg(po + lane + 32 * k);
-    }
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
-  const float sink = head_sink ? Act<T>::to_float(head_sink[h]) : 0.0f;
-  if (lse != nullptr && lane == 0) lse[(long long)t * num_heads + h] = state_lse(M, L);
-#pragma unroll
-  for (int k = 0; k < MAX_CH; ++k) {
-    const int d = lane + 32 * k;
-    if (d < D) {
-      const float vs = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
-      const float v = finalize(M, L, O[k], head_sink != nullptr, sink, vs);
-      out[((long long)t * num_heads + h) * D + d] = Act<T>::from_float(v);
-    }
-  }
-}
-
 // Splits [s_first, s_last] of a token (the ones whose key range meets its admitted range) each
 // wrote a partial state for rows h0 .. h0 + rows - 1; the CTA that finishes last merges them, with
 // the same arithmetic whichever CTA that is, so the bits do not depend on the order CTAs finish
 // in (nor on num_splits beyond s_last). `counter` (one per token and head chunk) is zeroed by the
 // prologue of the same call. The standard last-block pattern: each CTA fences its partial stores
-// before its arrival is counted, and the merging CTA reads the partials from L2 (merge_row). One warp
-// per row. Called by every thread of the CTA, after store_rows; `last` is one int of free shared memory.
-// lse (optional, (N, H) float32): the merged rows' log-sum-exp (state_lse). MAX_CH, PRE: merge_row's.
+// before its arrival is counted, and the merging CTA reads the partials from L2 (__ldcg), never
+// from a possibly stale L1 line. One warp per row: lanes take splits for the max and the sum (a
+// fixed xor tree), then channels, summing the splits in index order with independent loads.
+// Called by every thread of the CTA, after store_rows; `last` is one int of free shared memory.
+// lse (optional, (N, H) float32): the merged rows' log-sum-exp (state_lse), written by lane 0 of each row.
+// MAX_CH: channels per lane (head_size <= 32 * MAX_CH); PRE: splits whose o is loaded together with
+// the weights (one round trip fewer for up to PRE splits; 0: none, for kernels short of registers).
 template <typename T, int MAX_CH = 8, int PRE = 0>
 CUPA_DEVICE void merge_splits_if_last(int* counter, int* last, int s_first, int s_last, int rows, int head_size, int t,
                                       int h0, int num_heads, int g, int num_splits, const T* head_sink,
@@ -148,11 +76,72 @@ CUPA_DEVICE void merge_splits_if_last(int* counter, int* last, int s_first, int 
   __syncthreads();
   if (!*last) return;
   __threadfence();
-  const int n = s_last - s_first + 1;
-  const int warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  for (int r = warp; r < rows; r += num_warps)
-    merge_row<T, MAX_CH, PRE>(t, num_heads, h0 + r, s_first, n, head_size, g, num_splits, head_sink, v_scale, v_quant,
-                              out, part_o, part_ml, lse);
+  const int D = head_size, n = s_last - s_first + 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
+  for (int r = warp; r < rows; r += num_warps) {
+    const int h = h0 + r;
+    const long long row0 = ((long long)t * num_heads + h) * num_splits + s_first;
+    float M = CUPA_NEG_INF;
+    for (int i = lane; i < n; i += 32) {
+      const float2 ml = __ldcg(part_ml + row0 + i);
+      if (ml.y > 0.0f) M = fmaxf(M, ml.x);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    float L = 0.0f, O[MAX_CH];
+#pragma unroll
+    for (int k = 0; k < MAX_CH; ++k) O[k] = 0.0f;
+    // The first PRE splits' o, loaded before their weights are known (one round trip fewer).
+    float pre[PRE > 0 ? PRE : 1][MAX_CH];
+#pragma unroll
+    for (int j = 0; j < PRE; ++j)
+#pragma unroll
+      for (int k = 0; k < MAX_CH; ++k)
+        pre[j][k] = j < n && lane + 32 * k < D ? __ldcg(part_o + (row0 + j) * D + lane + 32 * k) : 0.0f;
+    for (int base = 0; base < n; base += 32) {
+      float c = 0.0f;
+      if (base + lane < n) {
+        const float2 ml = __ldcg(part_ml + row0 + base + lane);
+        if (ml.y > 0.0f) {
+          c = rescale(ml.x, M);
+          L += ml.y * c;
+        }
+      }
+      const int count = min(32, n - base);
+      int j = 0;
+      if (PRE > 0 && base == 0) {
+#pragma unroll
+        for (; j < PRE; ++j) {
+          const float cj = __shfl_sync(0xffffffffu, c, j);
+          if (j >= count || cj == 0.0f) continue;  // an empty split (or one far below the max) adds nothing
+#pragma unroll
+          for (int k = 0; k < MAX_CH; ++k)
+            if (lane + 32 * k < D) O[k] += cj * pre[j][k];
+        }
+      }
+#pragma unroll 4
+      for (; j < count; ++j) {
+        const float cj = __shfl_sync(0xffffffffu, c, j);
+        if (cj == 0.0f) continue;  // an empty split (or one far below the max) adds nothing
+        const float* po = part_o + (row0 + base + j) * D;
+#pragma unroll
+        for (int k = 0; k < MAX_CH; ++k)
+          if (lane + 32 * k < D) O[k] += cj * __ldcg(po + lane + 32 * k);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+    const float sink = head_sink ? Act<T>::to_float(head_sink[h]) : 0.0f;
+    if (lse != nullptr && lane == 0) lse[(long long)t * num_heads + h] = state_lse(M, L);
+#pragma unroll
+    for (int k = 0; k < MAX_CH; ++k) {
+      const int d = lane + 32 * k;
+      if (d < D) {
+        const float vs = v_quant ? quant_scale(v_scale, v_quant, g, D, d) : 1.0f;
+        out[((long long)t * num_heads + h) * D + d] = Act<T>::from_float(finalize(M, L, O[k], head_sink != nullptr, sink, vs));
+      }
+    }
+  }
 }
 
 // Which splits of a token take part, from its admitted range [lo, hi): s_first .. s_last (both

@@ -15,7 +15,6 @@
 // (mla_merge.cu), launched next, merges them over the whole GPU.
 #pragma once
 #include "common.cuh"
-#include "epilogue.cuh"
 #include "paged.cuh"
 #include "prefill_tiles.cuh"
 #include "quant.cuh"

@@ -34,7 +34,6 @@
 // Host values that size the launch: token_count, batch_size, num_heads (tiles), tile_splits and num_splits
 // (static sizes, SM count); attention_metadata only drops trailing splits; none enters a mask.
 #include "common.cuh"
-#include "epilogue.cuh"
 #include "mla.cuh"
 #include "mma.cuh"
 #include "paged.cuh"

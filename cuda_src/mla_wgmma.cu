@@ -26,7 +26,6 @@
 // Host values that size the launch: token_count, batch_size, num_heads (tiles), tile_splits and num_splits
 // (static sizes, SM count), tma_box (block_size); attention_metadata only drops trailing splits.
 #include "common.cuh"
-#include "epilogue.cuh"
 #include "mla.cuh"
 #include "mma.cuh"
 #include "paged.cuh"
