@@ -7,10 +7,10 @@
 // y * MLA_MERGE_WARPS + w of tile x's record. Lanes take the splits' (M, L) for the row's max, sum and
 // weights (a fixed xor tree), then lane l sums channels 4 l + 128 k (k < 4) over the splits in index
 // order, MLA_MERGE_BATCH splits' 16-byte loads in flight at once (the first batch's issued with the
-// (m, l) loads: a call of at most MLA_MERGE_BATCH splits reads a row in one round trip), into the output row (times the latent
-// V scale for fp8 caches; the same arithmetic for every row and call) and lse when asked. Spread over
-// (num_tiles x rows / MLA_MERGE_WARPS) CTAs, the partials are read at the GPU's bandwidth, not one SM's,
-// and the attention CTAs need no arrival counting.
+// (m, l) loads: a call of at most MLA_MERGE_BATCH splits reads a row in one round trip), into the output
+// row (times the latent V scale for fp8 caches; the same arithmetic for every row and call) and lse when
+// asked. Spread over (num_tiles x rows / MLA_MERGE_WARPS) CTAs, the partials are read at the GPU's
+// bandwidth, not one SM's, and the attention CTAs need no arrival counting.
 // Reads: the records, part_ml, part_o (from L2, where the attention kernel just wrote them), k_scale.
 // Writes: out (N, H * 512), lse (N, H). Launch: grid (num_tiles, tile rows / MLA_MERGE_WARPS), 256 threads.
 #include "common.cuh"

@@ -24,8 +24,8 @@
 // Configurations (ROWS, KEYS; mirrored in cupa/kernels/mla.py, sized so each fits the devices that run
 // it): (64, 64) 232 KB, sm_90; (64, 32) 158 KB, sm_80+ with 163 KB; (16, 64) 169 KB, sm_90 (decode
 // steps of at most 16 heads); (16, 32) 95 KB, every device (sm_86/89/120: 99 KB). 8 warps (ROWS*512/256
-// <= 128 fp32 accumulators a thread; with 16 rows, half the warps make S and all of them the P V, the
-// copies and the rescale, two warps a scheduler to hide each other's latencies).
+// <= 128 fp32 accumulators a thread; with 16 rows, half the warps make S while the others issue the
+// next tile's copies, and all of them the P V and the rescale: two warps a scheduler).
 // Floors (per key and row: 2*(576+512) FLOPs; per key: 1152 bytes of T, 576 of fp8): a decode step is
 // memory-bound below ~128 heads on an H200 (4.8 TB/s, ~990 TFLOP/s dense). With 16 rows a 64-key tile is
 // 2.2 MFLOP against 72 KB (fp16; an SM's share of the bandwidth brings it in ~2 us, its tensor cores need
