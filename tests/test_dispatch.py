@@ -201,7 +201,7 @@ def test_pinned_cache_key_follows_options_and_source():
 
 def test_wgmma_kernel_compiles_for_sm_90a_without_spills():
     """NVRTC never serializes the wgmma pipeline (C7520 / C7512 / C7514), keeps setmaxnreg (no C7508
-    'ignored': 64 registers for the copier and scheduler warpgroups, 192 for the consumers) and spills
+    'ignored': 64 registers for the copier, 48 for the scheduler, 200 for the consumers) and spills
     nothing."""
     try:
         jit.nvrtc_version()
@@ -261,6 +261,9 @@ def test_prologue_beside_only_without_a_past_by_the_bounds(rng, monkeypatch):
     eight = cupa.Options(_tuning=_Tuning(prologue_beside_sms=8))
     p = problem(big, [0, 0, 0], no_past)
     assert prefill.prologue_beside(p, H200, eight)
+    # the mma.sync prefill runs beside such a prologue; the persistent wgmma prefill never does
+    assert prefill.BACKEND._beside(p, H200, DEFAULT) and not prefill_wgmma.BACKEND._beside(p, H200, DEFAULT)
+    assert "SMs of its own" not in prefill_wgmma.BACKEND.describe(p, H200, DEFAULT)
     specs = []
     monkeypatch.setattr(prologue.jit, "get_kernel", lambda spec: specs.append(spec) or object())
     launcher = prologue.prologue_launcher(p, H200, eight, beside=True)
@@ -298,3 +301,17 @@ def test_tensor_map_shapes():
     if not tma.available():
         with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled"):
             tma.rows_map(1 << 20, 100, 1, 128, 32)
+
+
+def test_wgmma_prefill_reasons_name_its_32_bit_limits(rng, monkeypatch):
+    """The wgmma prefill numbers cache slots and work items in 32 bits: past MAX_SLOTS / MAX_ITEMS it
+    declines with a reason (the mma.sync prefill serves the call) -- checked with the limits lowered."""
+    p = problem_of(rng)
+    items = prefill_wgmma.launch_plan(p)["num_tiles"] * p.kv_num_heads
+    assert prefill_wgmma.BACKEND.reasons(p, H200, DEFAULT) == []
+    monkeypatch.setattr(prefill_wgmma, "MAX_ITEMS", items - 1)
+    assert any(f"{items} work items" in r for r in prefill_wgmma.BACKEND.reasons(p, H200, DEFAULT))
+    monkeypatch.setattr(prefill_wgmma, "MAX_ITEMS", items)
+    monkeypatch.setattr(prefill_wgmma, "MAX_SLOTS", p.num_blocks * p.block_size - 1)
+    assert any("cache slots" in r for r in prefill_wgmma.BACKEND.reasons(p, H200, DEFAULT))
+    assert dispatch.choose(p, H200, DEFAULT).name == "prefill"

@@ -131,11 +131,13 @@ def prologue_beside(problem: Problem, device: DeviceInfo, options: Options) -> b
             and p.token_count >= BESIDE_MIN_TOKENS_PER_SM * sms and launch.pdl_allowed(device, options))
 
 
-def prologue_phrase(problem: Problem, device: DeviceInfo, options: Options) -> str:
-    """How the attention launch relates to the prologue, for explain()."""
+def prologue_phrase(problem: Problem, device: DeviceInfo, options: Options, beside: bool = None) -> str:
+    """How the attention launch relates to the prologue, for explain(); ``beside``: whether the prologue
+    runs beside the attention kernel (default: :func:`prologue_beside`)."""
+    if beside is None:
+        beside = prologue_beside(problem, device, options)
     if kv_from_inputs(problem, options):
-        where = (f", on {options._tuning.prologue_beside_sms} SMs of its own"
-                 if prologue_beside(problem, device, options) else "")
+        where = f", on {options._tuning.prologue_beside_sms} SMs of its own" if beside else ""
         return (f"fused prologue alongside{where} (new K/V read from key/value; only CTAs that read cached rows "
                 "wait for the prologue; Options(new_kv_from_inputs=False) turns this off)")
     return "fused prologue first"
@@ -144,6 +146,8 @@ def prologue_phrase(problem: Problem, device: DeviceInfo, options: Options) -> s
 class PrefillBackend(CudaBackend):
     name = "prefill"
     serves = frozenset({"return_lse", "subbyte", "bias"})
+    #: Whether the prologue may run beside this backend's kernel (:func:`prologue_beside`).
+    beside_prologue = True
 
     def reasons(self, problem: Problem, device: DeviceInfo, options: Options) -> list:
         p, reasons = problem, packed_cache_reasons(problem)
@@ -191,7 +195,7 @@ class PrefillBackend(CudaBackend):
                 f"{problem.kv_num_heads} KV heads + {plan['zero_ctas']} zero-pass CTA(s); keys in tiles of "
                 f"{plan['keys']} through a {plan['stages']}-stage cp.async pipeline"
                 f"{' (and the tile of attention_bias entries with them)' if problem.has_bias else ''}; "
-                f"{prologue_phrase(problem, device, options)}; "
+                f"{prologue_phrase(problem, device, options, self._beside(problem, device, options))}; "
                 f"token_count ({problem.token_count}) {'>' if self.preferred(problem) else '<='} batch_size "
                 f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
 
@@ -213,6 +217,9 @@ class PrefillBackend(CudaBackend):
             r.launches(call.ptrs + [ws.ptr if ws is not None else 0, call.output_ptr, 0, call.lse_ptr],
                        call.stream.ptr, r.maps(call.ptrs) if r.maps is not None else ())
         return call.finish()
+
+    def _beside(self, p: Problem, device: DeviceInfo, options: Options) -> bool:
+        return self.beside_prologue and prologue_beside(p, device, options)
 
     # The kernel, launch plan and shared memory of a call on a device: the wgmma backend swaps these.
     def _spec(self, p: Problem, device: DeviceInfo):
@@ -273,7 +280,7 @@ class PrefillBackend(CudaBackend):
         if passthrough and not plan_.writes:   # the prologue would only store rows, and none is stored
             steps = [(attend, pointers)]
         else:
-            prologue = prologue_launcher(p, device, options, beside=prologue_beside(p, device, options))
+            prologue = prologue_launcher(p, device, options, beside=self._beside(p, device, options))
             steps = [(prologue, _PROLOGUE_POINTERS), (attend, pointers, True)]
         r.launches = launch.Sequence(steps, _NPOINTERS, route=options.launch, pdl=launch.pdl_allowed(device, options))
         r.maps = self._maps(p, tail)
