@@ -42,17 +42,27 @@ CUPA_DEVICE void wg_softmax_tile(float (&s)[KEYS / 2], float (&o)[D / 2], unsign
     }
   }
   if (!interior) {  // row ranges come from shared memory
+    // Per row and 32 keys of the tile, the bits of the admitted keys: the row's range [a, b) (tile
+    // columns) as a bit range, and the mapped keys mw; shifted by this lane's first column 2 (lane % 4),
+    // element (j, e) is then bit 8 (j % 4) + e of word j / 4.
+    const int q2 = (lane & 3) * 2;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int lo = lo_row[row0 + 8 * i], hi = hi_row[row0 + 8 * i];
+      const int a = min(max(lo_row[row0 + 8 * i], kt0), kt0 + KEYS) - kt0;  // (no overflow from the
+      const int b = min(max(hi_row[row0 + 8 * i], kt0), kt0 + KEYS) - kt0;  // empty-range sentinels)
 #pragma unroll
-      for (int j = 0; j < KEYS / 8; ++j) {
+      for (int w = 0; w < KEYS / 32; ++w) {
+        // bits [0, n) set, n clamped to 32: the high word of (0 : ~0) << n
+        const unsigned below_b = __funnelshift_lc(0xffffffffu, 0u, (unsigned)max(b - 32 * w, 0));
+        const unsigned below_a = __funnelshift_lc(0xffffffffu, 0u, (unsigned)max(a - 32 * w, 0));
+        const unsigned bits = ((below_b & ~below_a) & mw[w]) >> q2;
 #pragma unroll
-        for (int e = 2 * i; e < 2 * i + 2; ++e) {
-          const int col = j * 8 + (lane & 3) * 2 + (e & 1);
-          const int k = kt0 + col;
-          const bool admitted = k >= lo && k < hi && ((mw[j >> 2] >> (col & 31)) & 1u);
-          s[4 * j + e] = admitted ? s[4 * j + e] : CUPA_NEG_INF;
+        for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * (4 * w + jj) + 2 * i + e];
+            x = (bits >> (8 * jj + e)) & 1u ? x : CUPA_NEG_INF;
+          }
         }
       }
     }
