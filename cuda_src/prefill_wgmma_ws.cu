@@ -21,15 +21,16 @@
 //     block, or 32 new rows of key / value; tensor maps from the host, 128B swizzle), or, where a box
 //     would mix masked and unmasked keys or TMA does not apply, each round the warp copies 2 keys x 16
 //     chunks of 16 bytes (cp.async).
-//   scheduler (warps 4-7, 64 registers): for each item, finds its sequence and the admitted key range
+//   scheduler (warps 4-7, 48 registers): for each item, finds its sequence and the admitted key range
 //     of each of its 128 rows (thread r: row r), publishes them (WsItem for the copiers; the row data
 //     and the Q rows, cp.async into one of two Q buffers, for the consumers) as soon as the consumers
 //     give the buffer back, so the next item is ready before the current one ends; then cleans the V
 //     tiles of the current item that hold keys some live row does not admit (clean_item).
-//   two consumers (warps 8-11 and 12-15, 192 registers): warpgroup u owns rows 64u..64u+63 of the
+//   two consumers (warps 8-11 and 12-15, 200 registers): warpgroup u owns rows 64u..64u+63 of the
 //     item. Per key tile: S = Q K^T on wgmma.m64n128k16 (Q and K from shared memory), online
-//     softmax in registers, O += P V on wgmma.m64n128k16 (P from registers, V MN-major). Tile kt's
-//     P V and tile kt+1's S are issued as one batch ("turn"), and the two warpgroups take turns in
+//     softmax in registers, O += P V on wgmma.m64n128k16 (P from registers, V MN-major). Tile kt+1's
+//     S and tile kt's P V are issued together ("turn", two commit groups: the K stage is released
+//     when S is complete, before P V is), and the two warpgroups take turns in
 //     strict alternation (named barriers 1 and 2: FA3's ping-pong), so one warpgroup's softmax runs
 //     while the other's products keep the tensor cores busy. The epilogue writes each warp's 16 rows
 //     through its own rows of the item's Q buffer, then gives the buffer back to the scheduler.
@@ -69,11 +70,12 @@ struct WsPrefillConfig {
   static constexpr int KEYS = 128;                      // keys per K / V tile (the N of S)
   static constexpr int STAGES = 2;                      // K/V ring (3 stages of 128 keys exceed shared memory)
   static constexpr int QBUFS = 2;                       // Q buffers (item i + 1 loads while i runs)
-  // setmaxnreg: 64 leave the copier and scheduler without spills; the consumers fit 192 without spills
-  // (measured: 40 / 216 spilled the copier's loop, 3-4% slower).
-  static constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 192;
+  // setmaxnreg: the copier needs 64 (40 spilled its loop, 3-4% slower), the scheduler fits 48, and
+  // the consumers take the rest.
+  static constexpr int COPIER_REGS = 64, SCHEDULER_REGS = 48, CONSUMER_REGS = 200;
 };
-static_assert(WsPrefillConfig::PRODUCER_REGS * WsPrefillConfig::PRODUCER_THREADS +
+static_assert(WsPrefillConfig::COPIER_REGS * WsPrefillConfig::COPIER_THREADS +
+                      WsPrefillConfig::SCHEDULER_REGS * WsPrefillConfig::SCHEDULER_THREADS +
                       WsPrefillConfig::CONSUMER_REGS * WsPrefillConfig::CONSUMER_THREADS <= 65536,
               "one CTA per SM: the register file");
 
@@ -192,12 +194,11 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   __syncthreads();  // the last CTA-wide barrier: from here on the warpgroups meet only at mbarriers
 
   const int H = num_heads, Hk = kv_num_heads, G = H / Hk, B = batch_size;
-  const long long items = (long long)num_tiles * Hk;
   const int first = (int)blockIdx.x - zero_ctas, step = (int)gridDim.x - zero_ctas;
 
   if (warp < PT / 32) {
-    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     if (warp >= CPT / 32) {
+      setmaxnreg_dec<Cfg::SCHEDULER_REGS>();
       // ---------------------------------------------------------------- scheduler warpgroup
       // Thread i: row i of each item.
       const int sw = warp - CPT / 32, stid = tid - CPT;
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
           mbar_wait(v_land(st), (land_parity >> st) & 1u);
           land_parity ^= 1u << st;
           const int n1 = max(0, hi1 - a), n2 = max(0, b - lo2);  // keys [a, hi1) and [lo2, b)
-          // (shared-space addresses: the loop runs in the scheduler's 64 registers)
+          // (shared-space addresses: the loop runs in the scheduler's 48 registers)
           const unsigned v_tile = stages_a + (unsigned)st * L::stage_bytes + L::tile_bytes;
 #pragma unroll 2
           for (int i = stid; i < (n1 + n2) * 16; i += ST) {
@@ -246,15 +247,16 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       // Work item of round r: r * step + first, or r * step + step - 1 - first in odd rounds (a snake:
       // items come heaviest first, so plain round robin would hand CTA 0 the heaviest item of every
       // round; snaking evens the CTAs' sums).
-      for (long long r = 0;; ++r) {
-        const long long w = r * step + ((r & 1) ? step - 1 - first : first);
-        const bool more = w < items;
+      // (32-bit: the host sends at most 2^30 items, prefill_wgmma.py MAX_ITEMS)
+      for (int r = 0;; ++r) {
+        const int w = r * step + ((r & 1) ? step - 1 - first : first);
+        const bool more = w < num_tiles * Hk;
         int g = 0;
         RowTile rt;
         if (more) {
-          g = (int)(w % Hk);
+          g = w % Hk;
           // (every scheduler warp computes the same, so the skip is uniform)
-          const long long x = (long long)num_tiles - 1 - w / Hk;
+          const int x = num_tiles - 1 - w / Hk;
           if (!(tiles_per_seq > 0 ? locate_bounded_tile<ROWS>(cum, B, token_count, x, tiles_per_seq, G, rt)
                                   : locate_row_tile<ROWS>(cum, B, token_count, x, G, lane, rt)))
             continue;
@@ -344,6 +346,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       }
     } else {
       // ------------------------------------------------------------------ copier warps
+      setmaxnreg_dec<Cfg::COPIER_REGS>();
       // Copier warp cw fills keys 32cw..32cw+31 of each tile; lane l finds the row of key 32cw + l (one
       // tile ahead). Where each box of `box` consecutive keys (tma_box of a block, or all 32 new
       // tokens) is either wholly mapped -- consecutive rows -- or wholly masked, the warp's rows come
@@ -603,25 +606,30 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         mbar_arrive(k_empty(st));
         softmax_tile(0);
       }
-      // Turns 1 .. ntiles - 1: P V of tile kt with S of tile kt + 1.
+      // Turns 1 .. ntiles - 1: S of tile kt + 1, then P V of tile kt, as two groups: the K stage goes
+      // back to the copier as soon as S is complete, the V stage when P V is; then the softmax of tile
+      // kt + 1. (Running the softmax while P V is in flight measured slower: chunked B=8 x (8192 + 512),
+      // 1082 against 999 us: the V stage then goes back only after the softmax.)
       for (int kt = 0; kt + 1 < ntiles; ++kt) {
         const unsigned iv = it + kt, ik = iv + 1;
         const int sv = iv % NST, sk = ik % NST;
-        mbar_wait(v_full(sv), (iv / NST) & 1);
         mbar_wait(k_full(sk), (ik / NST) & 1);
+        mbar_wait(v_full(sv), (iv / NST) & 1);
         read_mapped(sk);
         fence_proxy_async_shared();
         bar_sync(my_turn, CT);
         fence_operands();
-        issue_pv(sv);
         issue_s(sk);
         wgmma_commit();
+        issue_pv(sv);
+        wgmma_commit();
         bar_arrive(other_turn, CT);
+        wgmma_wait<1>();
+        wg_fence_operands(s);
+        mbar_arrive(k_empty(sk));
         wgmma_wait<0>();
         wg_fence_operands(o);
-        wg_fence_operands(s);
         mbar_arrive(v_empty(sv));
-        mbar_arrive(k_empty(sk));
         softmax_tile(kt + 1);
       }
       // Last turn: P V of the last tile.
