@@ -6,6 +6,7 @@
 #include "mma.cuh"
 #include "softmax.cuh"
 #include "wgmma.cuh"
+#include "prefill_ws_plan.cuh"  // ws_mask_rows
 
 // How raw scores become log2-domain logits: folded into the exponent (mul = scale * log2 e) unless a
 // softcap or a non-positive scale needs the general path.
@@ -41,32 +42,7 @@ CUPA_DEVICE void wg_softmax_tile(float (&s)[KEYS / 2], float (&o)[D / 2], unsign
       s[i] = v * CUPA_LOG2E;
     }
   }
-  if (!interior) {  // row ranges come from shared memory
-    // Per row and 32 keys of the tile, the bits of the admitted keys: the row's range [a, b) (tile
-    // columns) as a bit range, and the mapped keys mw; shifted by this lane's first column 2 (lane % 4),
-    // element (j, e) is then bit 8 (j % 4) + e of word j / 4.
-    const int q2 = (lane & 3) * 2;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int a = min(max(lo_row[row0 + 8 * i], kt0), kt0 + KEYS) - kt0;  // (no overflow from the
-      const int b = min(max(hi_row[row0 + 8 * i], kt0), kt0 + KEYS) - kt0;  // empty-range sentinels)
-#pragma unroll
-      for (int w = 0; w < KEYS / 32; ++w) {
-        // bits [0, n) set, n clamped to 32: the high word of (0 : ~0) << n
-        const unsigned below_b = __funnelshift_lc(0xffffffffu, 0u, (unsigned)max(b - 32 * w, 0));
-        const unsigned below_a = __funnelshift_lc(0xffffffffu, 0u, (unsigned)max(a - 32 * w, 0));
-        const unsigned bits = ((below_b & ~below_a) & mw[w]) >> q2;
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[4 * (4 * w + jj) + 2 * i + e];
-            x = (bits >> (8 * jj + e)) & 1u ? x : CUPA_NEG_INF;
-          }
-        }
-      }
-    }
-  }
+  if (!interior) ws_mask_rows<KEYS>(s, lo_row, hi_row, row0, kt0, mw, lane, CUPA_NEG_INF);  // (ranges from shared memory)
   float c[2];
   {
     float mx[2] = {CUPA_NEG_INF, CUPA_NEG_INF};

@@ -1,7 +1,8 @@
 // Which V tiles of a work item of the warp-specialized wgmma prefill (prefill_wgmma_ws.cu) are
-// cleaned of Inf / NaN, and the mbarrier phases that follows from: plain integer functions, also host
-// functions (tests/test_prefill_ws_plan.py compiles them for the host and checks them against a
-// brute-force model). KEYS is the key tile (128).
+// cleaned of Inf / NaN, the mbarrier phases that follow from that, and the score masks of a key tile
+// (wg_softmax_tile, also the wgmma MLA kernel's): plain functions, also host functions
+// (tests/test_prefill_ws_plan.py compiles them for the host and checks them against a brute-force
+// model). KEYS is the key tile (128 in the prefill).
 #pragma once
 #include "common.cuh"
 
@@ -51,4 +52,42 @@ CUPA_HOST_DEVICE unsigned ws_land_after(unsigned first_tile, int ntiles, int2 cl
   const unsigned f = first_tile, nt = (unsigned)ntiles, x = (unsigned)clean.x < nt ? (unsigned)clean.x : nt;
   const unsigned y0 = (unsigned)ws_max(clean.x, clean.y), y = y0 > x ? y0 : x;
   return land_parity ^ ws_stage_parity(f, f + x) ^ (y < nt ? ws_stage_parity(f + y, f + nt) : 0u);
+}
+
+// Bits [0, n) set, n clamped to [0, 32].
+CUPA_HOST_DEVICE unsigned ws_bits_below(int n) {
+#ifdef __CUDA_ARCH__
+  return __funnelshift_lc(0xffffffffu, 0u, (unsigned)max(n, 0));  // the high word of (0 : ~0) << n
+#else
+  return n <= 0 ? 0u : n >= 32 ? 0xffffffffu : (1u << n) - 1u;
+#endif
+}
+
+// The masks of a thread's two rows of a key tile (keys kt0 .. kt0 + KEYS - 1) on the wgmma accumulator
+// layout: row row0 + 8 i admits [lo_row[..], hi_row[..]) and the tile's mapped keys (bit t of mw[w]: key
+// 32 w + t); the thread of lane holds its columns 8 j + 2 (lane % 4) + e (j < KEYS / 8, e < 2) as
+// s[4 j + 2 i + e], and those the row does not admit become `masked`. Per 32 keys the admitted keys are
+// the range as bits ANDed with the mapped ones; shifted by the lane's first column 2 (lane % 4),
+// element (j, e) is bit 8 (j % 4) + e of word j / 4.
+template <int KEYS>
+CUPA_HOST_DEVICE void ws_mask_rows(float (&s)[KEYS / 2], const int* lo_row, const int* hi_row, int row0, int kt0,
+                                   const unsigned (&mw)[KEYS / 32], int lane, float masked) {
+  const int q2 = (lane & 3) * 2;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int a = min(max(lo_row[row0 + 8 * i], kt0), kt0 + KEYS) - kt0;  // (no overflow from the
+    const int b = min(max(hi_row[row0 + 8 * i], kt0), kt0 + KEYS) - kt0;  // empty-range sentinels)
+#pragma unroll
+    for (int w = 0; w < KEYS / 32; ++w) {
+      const unsigned bits = ((ws_bits_below(b - 32 * w) & ~ws_bits_below(a - 32 * w)) & mw[w]) >> q2;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * (4 * w + jj) + 2 * i + e];
+          x = (bits >> (8 * jj + e)) & 1u ? x : masked;
+        }
+      }
+    }
+  }
 }

@@ -6,7 +6,9 @@ In paged_prefill_wgmma_ws the copiers send a V tile to the v_land mbarrier exact
 kernel or let it read a tile before it lands. These checks hold the three functions to a brute-force
 model: the keys to clean of a tile are its unmasked keys ([kmin, khi)) that lie outside the item's
 intersection of admitted ranges (all of them when that is empty); the v_land phases of a stage count
-the tiles to clean that went through it.
+the tiles to clean that went through it. The score masks of a key tile (``ws_mask_rows``, which the
+wgmma prefill and the wgmma MLA kernel apply to tiles not inside every row's range) keep exactly the
+scores of keys a row admits and the tile maps.
 """
 
 from __future__ import annotations
@@ -91,3 +93,41 @@ def test_land_parities_count_the_tiles_to_clean_of_each_stage(host_plan):
                 if kt < cx or kt >= cy:
                     counts[(first + kt) % 2] += 1
             first += nt
+
+
+RANGE_NONE_LO, RANGE_NONE_HI = 0x7FFFFFFF, -0x80000000  # prefill_tiles.cuh: the empty-range sentinels
+
+
+def test_score_masks_keep_exactly_the_admitted_mapped_keys(host_plan):
+    """Thread (lane % 4) holds columns 8 j + 2 (lane % 4) + e of its two rows as s[4 j + 2 i + e]; a score
+    stays when its key lies in the row's [lo, hi) and its bit of the tile's mapped-key words is set."""
+    rng = np.random.default_rng(9)
+    records = []
+    for _ in range(4000):
+        kt0 = int(rng.choice([0, 128, int(rng.integers(0, 1 << 20)), (1 << 31) - 256]))
+        rows = []
+        for _ in range(2):
+            kind = rng.random()
+            if kind < 0.1:  # no admitted key: the scheduler's sentinels
+                rows += [RANGE_NONE_LO, RANGE_NONE_HI]
+            elif kind < 0.2:  # whole tile and beyond
+                rows += [kt0 - int(rng.integers(0, 1000)), kt0 + 128 + int(rng.integers(0, 1000))]
+            else:  # edges inside the tile or near it (a causal diagonal, a window)
+                lo = kt0 + int(rng.integers(-40, 168))
+                rows += [lo, lo + int(rng.integers(-5, 200))]
+        mw = [int(x) for x in rng.integers(0, 1 << 32, 4, dtype=np.uint64)]
+        if rng.random() < 0.5:
+            mw = [0xFFFFFFFF] * 4
+        mw = [m - (1 << 32) if m >= 1 << 31 else m for m in mw]  # as int32
+        rows = [min(v, RANGE_NONE_LO) for v in rows]  # (positions are int32)
+        records.append(rows + [kt0] + mw + [int(rng.integers(0, 32))])
+    got = host_plan("mask", np.array(records, np.int64).reshape(-1)).reshape(-1, 64)
+    for rec, flags in zip(records, got):
+        lo0, hi0, lo1, hi1, kt0 = rec[:5]
+        mw, lane = [m & 0xFFFFFFFF for m in rec[5:9]], rec[9]
+        for k in range(64):
+            j, i, e = k // 4, (k % 4) // 2, k % 2
+            col = 8 * j + 2 * (lane % 4) + e
+            lo, hi = (lo0, hi0) if i == 0 else (lo1, hi1)
+            want = lo <= kt0 + col < hi and (mw[col // 32] >> (col % 32)) & 1
+            assert flags[k] == int(bool(want)), (rec, k)

@@ -4,6 +4,8 @@
 //          ws_clean_keys' result (0 / 1) and its key count (hi1 - a) + (b - lo2) (0 when false)
 //   land:  records (ntiles, clean.x, clean.y) of one CTA's items in order -> per item first_tile and
 //          land_parity at its start, chained as the scheduler chains them
+//   mask:  records (lo0, hi0, lo1, hi1, kt0, mw[0..3], lane) -> per record the 64 scores of that lane
+//          after ws_mask_rows<128> (1: kept, 0: masked), in the order of s
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -44,6 +46,15 @@ int main(int argc, char** argv) {
       const int2 c = make_int2(in[i + 1], in[i + 2]);
       parity = ws_land_after(first, in[i], c, parity);
       first += (unsigned)in[i];
+    }
+  } else if (!strcmp(argv[1], "mask")) {
+    for (size_t i = 0; i + 10 <= in.size(); i += 10) {
+      const int lo_row[9] = {in[i], 0, 0, 0, 0, 0, 0, 0, in[i + 2]}, hi_row[9] = {in[i + 1], 0, 0, 0, 0, 0, 0, 0, in[i + 3]};
+      const unsigned mw[KEYS / 32] = {(unsigned)in[i + 5], (unsigned)in[i + 6], (unsigned)in[i + 7], (unsigned)in[i + 8]};
+      float s[KEYS / 2];
+      for (float& x : s) x = 1.0f;
+      ws_mask_rows<KEYS>(s, lo_row, hi_row, 0, in[i + 4], mw, in[i + 9], -1.0f);
+      for (float x : s) out.push_back(x == 1.0f ? 1 : 0);
     }
   } else {
     return 2;
