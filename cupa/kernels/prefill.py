@@ -131,7 +131,7 @@ def prologue_beside(problem: Problem, device: DeviceInfo, options: Options) -> b
             and p.token_count >= BESIDE_MIN_TOKENS_PER_SM * sms and launch.pdl_allowed(device, options))
 
 
-def prologue_phrase(problem: Problem, device: DeviceInfo, options: Options, beside: bool = None) -> str:
+def prologue_phrase(problem: Problem, device: DeviceInfo, options: Options, beside: Optional[bool] = None) -> str:
     """How the attention launch relates to the prologue, for explain(); ``beside``: whether the prologue
     runs beside the attention kernel (default: :func:`prologue_beside`)."""
     if beside is None:
