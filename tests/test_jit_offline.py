@@ -267,6 +267,65 @@ def test_decode_trace_instrumentation_applies_and_compiles(tmp_path):
         assert result.ok, result.log
 
 
+def _trace_prefill_ws():
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import trace_prefill_ws
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return trace_prefill_ws
+
+
+def test_prefill_ws_trace_instrumentation_applies_and_compiles(tmp_path):
+    """benchmarks/trace_prefill_ws.py probes prefill_wgmma_ws.cu at fixed anchors: each is there once, and
+    the instrumented kernel compiles for sm_90a without spills (a kernel edit that moves an anchor fails
+    here, not on the GPU)."""
+    nvrtc_or_skip()
+    tr = _trace_prefill_ws()
+    from cupa.kernels import registry
+
+    src = tr.instrumented_sources(str(tmp_path))
+    text = (Path(src) / "prefill_wgmma_ws.cu").read_text()
+    for i in range(len(tr.EVENTS)):
+        assert text.count(f"cupa_ws_event(n, {i}") == 1, i
+    for dtype in ("float16", "bfloat16"):
+        result = jit.compile_offline(registry.prefill_wgmma_ws_spec(dtype), "sm_90a", source_dir=src)
+        assert result.ok, result.log
+        if result.has_stats:
+            assert not result.spills, result.summary()
+
+
+def test_prefill_ws_trace_summary_splits_items_into_phases():
+    """trace_prefill_ws.summarize: per item the wait for its Q (from the CTA's entry, then from the previous
+    item's epilogue), its first turn, the time per further tile, its last turn and its epilogue; items
+    without every event (no key tiles) and rows without an entry are left out."""
+    import numpy as np
+
+    tr = _trace_prefill_ws()
+    t = np.zeros((3, tr.SLOTS), dtype=np.int64)
+
+    def item(c, n, ready, turn0, softmax0, loop_end, last, stored, ntiles):
+        t[c, 1 + n * 8: 1 + n * 8 + 8] = [ready, turn0, softmax0, loop_end, last, stored, 0, ntiles]
+
+    t[0, 0] = 1000
+    item(0, 0, 3000, 3100, 3600, 9600, 10000, 11000, 4)   # ready 2000, turn0 500, 3 tiles of 2000, last 400, epi 1000
+    item(0, 1, 11200, 11300, 11800, 11800, 12200, 13200, 1)  # ready 200, one tile: no per-tile time
+    item(0, 2, 13300, 0, 0, 0, 0, 14000, 0)               # no key tiles: left out
+    t[1, 0] = 2000
+    item(1, 0, 2500, 2600, 3100, 5100, 5500, 6500, 2)
+    res = tr.summarize(t)
+    assert res["ctas"] == 2 and res["items"] == 3 and res["tiles"] == 7
+    assert res["ready_ns_mean"] == round((2000 + 200 + 500) / 3, 1)
+    assert res["turn0_ns_mean"] == 500.0 and res["last_ns_mean"] == 400.0 and res["epilogue_ns_mean"] == 1000.0
+    assert res["tile_ns_mean"] == 2000.0  # (6000 / 3 and 2000 / 1)
+    span = 2700 + 1500 + (6000 + 0 + 2000) + 1200 + 3000
+    assert res["tile_share"] == round(8000 / span, 4)
+    assert res["entry_us"] == [0.0, 0.1, 0.5, 0.9, 1.0]
+    assert res["end_us"][0] == 5.5 and res["end_us"][-1] == 12.2
+
+
 def test_decode_trace_summary_groups_ctas_by_their_sms_load():
     """trace_decode.summarize: event quantiles after the first entry, and loop times / exits of the CTAs
     grouped by how many CTAs their SM ran (a row without an entry -- a CTA index never launched -- is
