@@ -21,19 +21,18 @@ stores per CTA and event): compare its timings with each other, and the call tim
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
 import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cupa  # noqa: E402
+import trace_common  # noqa: E402
 from cupa import jit  # noqa: E402
 from cupa.kernels import decode, launch  # noqa: E402
 
@@ -147,53 +146,37 @@ def main(argv=None):
     from cupa.bench.cases import build, decode as decode_case
     from cupa.bench.timing import Timer
 
-    tmp = tempfile.mkdtemp(prefix="cupa_trace_")
-    jit.SOURCE_DIR = Path(instrumented_sources(tmp))
-    modules = []
-    raw_module = cp.RawModule
-
-    def recording_module(*a, **k):
-        m = raw_module(*a, **k)
-        modules.append(((k.get("name_expressions") or [""])[0], m))
-        return m
-
-    cp.RawModule = recording_module
+    timer = Timer(cp)
+    cache = {"float16": "T", "int8": "int8", "fp8": "fp8"}[args.cache]
+    sequence = launch.Sequence
     if args.decode_only:
-        sequence = launch.Sequence
         decode.launch.Sequence = lambda steps, n: sequence(steps[1:], n)
     try:
-        timer = Timer(cp)
-        cache = {"float16": "T", "int8": "int8", "fp8": "fp8"}[args.cache]
-        built = build(decode_case(args.B, args.L, num_heads=args.H, kv_num_heads=args.Hk, cache=cache), cp)
-        op = cupa.PagedAttention(**built.attributes)
-        inputs = built.call_inputs()
-        out = cp.empty_like(inputs["query"])
+        with trace_common.instrumented(cp, instrumented_sources) as modules:
+            built = build(decode_case(args.B, args.L, num_heads=args.H, kv_num_heads=args.Hk, cache=cache), cp)
+            op = cupa.PagedAttention(**built.attributes)
+            inputs = built.call_inputs()
+            out = cp.empty_like(inputs["query"])
 
-        def call():
-            op(**inputs, out=out)
+            def call():
+                op(**inputs, out=out)
 
-        timed = timer.time_us(call, reps=args.reps)
-        kernel_modules = [m for name, m in modules if name.startswith("paged_decode_mma")]
-        if not kernel_modules:
-            raise RuntimeError("trace_decode: the call did not run paged_decode_mma (fp16/bf16, head_size 64/128)")
-        trace = cp.ndarray((MAX_CTAS * 8,), cp.uint64, kernel_modules[-1].get_global("cupa_trace"))
-        trace.fill(0)
-        timer.flush()
-        call()
-        cp.cuda.get_current_stream().synchronize()
+            timed = timer.time_us(call, reps=args.reps)
+            trace = trace_common.trace_buffer(cp, modules, "cupa_trace", MAX_CTAS * 8)
+            if trace is None:
+                raise RuntimeError("trace_decode: the call did not run paged_decode_mma (fp16/bf16, head_size 64/128)")
+            timer.flush()
+            call()
+            cp.cuda.get_current_stream().synchronize()
     finally:
-        cp.RawModule = raw_module
-        shutil.rmtree(tmp, ignore_errors=True)
+        decode.launch.Sequence = sequence
     t = cp.asnumpy(trace).reshape(-1, 8).astype(np.int64)
     if args.raw:  # row c: CTA blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); zeros: no entry
-        np.save(args.raw, t[: int(np.flatnonzero(t[:, 0]).max(initial=-1)) + 1])
+        trace_common.save_raw(args.raw, t)
     res = {"B": args.B, "L": args.L, "H": args.H, "Hk": args.Hk, "cache": args.cache,
            "decode_only": args.decode_only, "call_us": round(timed["median_us"], 2)}
     res.update(summarize(t))
-    print(json.dumps(res))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    trace_common.report(res, args.out)
 
 
 if __name__ == "__main__":

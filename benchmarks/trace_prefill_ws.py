@@ -22,19 +22,18 @@ compare its phases with each other, and call times with ``python -m cupa.bench``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
 import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cupa  # noqa: E402
+import trace_common  # noqa: E402
 from cupa import jit  # noqa: E402
 
 MAX_CTAS = 1024
@@ -163,21 +162,10 @@ def main(argv=None):
     from cupa.bench.cases import build, chunked, prefill
     from cupa.bench.timing import Timer
 
-    tmp = tempfile.mkdtemp(prefix="cupa_trace_")
-    jit.SOURCE_DIR = Path(instrumented_sources(tmp))
-    modules = []
-    raw_module = cp.RawModule
-
-    def recording_module(*a, **k):
-        m = raw_module(*a, **k)
-        modules.append(m)
-        return m
-
-    cp.RawModule = recording_module
-    try:
-        timer = Timer(cp)
-        kw = dict(block_size=args.block, dtype=args.dtype)
-        case = chunked(args.B, args.past, args.q, **kw) if args.past else prefill(args.B, args.q, **kw)
+    timer = Timer(cp)
+    kw = dict(block_size=args.block, dtype=args.dtype)
+    case = chunked(args.B, args.past, args.q, **kw) if args.past else prefill(args.B, args.q, **kw)
+    with trace_common.instrumented(cp, instrumented_sources) as modules:
         built = build(case, cp)
         op = cupa.PagedAttention(**built.attributes, options=cupa.Options(backend="prefill_wgmma"))
         inputs = built.call_inputs()
@@ -186,32 +174,19 @@ def main(argv=None):
             op(**inputs)
 
         timed = timer.time_us(call, reps=args.reps)
-        trace = None
-        for m in reversed(modules):  # the wgmma prefill's module: the one with the trace buffer
-            try:
-                trace = cp.ndarray((MAX_CTAS * SLOTS,), cp.uint64, m.get_global("cupa_ws_trace"))
-                break
-            except Exception:  # noqa: BLE001 - another kernel's module
-                continue
+        trace = trace_common.trace_buffer(cp, modules, "cupa_ws_trace", MAX_CTAS * SLOTS)
         if trace is None:
             raise RuntimeError("trace_prefill_ws: the call did not run paged_prefill_wgmma_ws")
-        trace.fill(0)
         timer.flush()
         call()
         cp.cuda.get_current_stream().synchronize()
-    finally:
-        cp.RawModule = raw_module
-        shutil.rmtree(tmp, ignore_errors=True)
     t = cp.asnumpy(trace).reshape(MAX_CTAS, SLOTS).astype(np.int64)
     if args.raw:
-        np.save(args.raw, t[: int(np.flatnonzero(t[:, 0]).max(initial=-1)) + 1])
+        trace_common.save_raw(args.raw, t)
     res = {"B": args.B, "q": args.q, "past": args.past, "block": args.block, "dtype": args.dtype,
            "call_us": round(timed["median_us"], 2)}
     res.update(summarize(t))
-    print(json.dumps(res))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    trace_common.report(res, args.out)
 
 
 if __name__ == "__main__":

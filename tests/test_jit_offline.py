@@ -267,6 +267,56 @@ def test_decode_trace_instrumentation_applies_and_compiles(tmp_path):
         assert result.ok, result.log
 
 
+def test_trace_common_swaps_the_sources_and_records_modules_for_the_block_only(tmp_path):
+    """benchmarks/trace_common.instrumented: inside the block the library compiles from the instrumented
+    copy and every RawModule is recorded; afterwards jit.SOURCE_DIR and RawModule are the library's again
+    and the copy is gone. trace_buffer takes the newest module with the buffer, None when none has it."""
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import trace_common
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    class Module:
+        def __init__(self, *a, has=False, **k):
+            self.has = has
+
+        def get_global(self, name):
+            if not self.has:
+                raise KeyError(name)
+            return name
+
+    filled = []
+
+    class Array:
+        def __init__(self, shape, dtype, ptr):
+            self.args = (shape, ptr)
+
+        def fill(self, v):
+            filled.append(v)
+
+    cp = SimpleNamespace(RawModule=Module, ndarray=Array, uint64="u8")
+    before = jit.SOURCE_DIR
+    made = []
+
+    def instrument(tmp):
+        made.append(Path(tmp))
+        (Path(tmp) / "cuda_src").mkdir()
+        return str(Path(tmp) / "cuda_src")
+
+    with trace_common.instrumented(cp, instrument) as modules:
+        assert jit.SOURCE_DIR == made[0] / "cuda_src"
+        cp.RawModule(has=True)
+        cp.RawModule()
+        assert len(modules) == 2
+        assert trace_common.trace_buffer(cp, modules, "t", 8).args == ((8,), "t") and filled == [0]
+        assert trace_common.trace_buffer(cp, modules[1:], "t", 8) is None
+    assert jit.SOURCE_DIR == before and cp.RawModule is Module and not made[0].exists()
+
+
 def _trace_prefill_ws():
     import sys
 
