@@ -52,6 +52,13 @@ def trace_buffer(cp, modules, name: str, size: int):
     return None
 
 
+def quantiles(values) -> list:
+    """0, 10, 50, 90 and 100% quantiles, rounded to 0.01 (an empty list when there are none)."""
+    if len(values) == 0:
+        return []
+    return [round(float(np.quantile(values, q)), 2) for q in (0, 0.1, 0.5, 0.9, 1.0)]
+
+
 def save_raw(path: str, t) -> None:
     """The rows of ``t`` up to the last one with an entry (column 0 non-zero), as .npy."""
     np.save(path, t[: int(np.flatnonzero(t[:, 0]).max(initial=-1)) + 1])

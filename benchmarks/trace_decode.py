@@ -91,13 +91,6 @@ def instrumented_sources(dst: str) -> str:
     return src_dir
 
 
-def quantiles(values) -> list:
-    """0, 10, 50, 90 and 100% quantiles (an empty list when no CTA recorded the event)."""
-    if len(values) == 0:
-        return []
-    return [round(float(np.quantile(values, q)), 2) for q in (0, 0.1, 0.5, 0.9, 1.0)]
-
-
 def summarize(t) -> dict:
     """Quantiles of the per-CTA timestamps ``t`` (rows of EVENTS in ns, then the SM id; rows without an
     entry are ignored), in us after the first CTA's entry."""
@@ -107,25 +100,26 @@ def summarize(t) -> dict:
     for i, name in enumerate(EVENTS):
         hit = t[:, i] > 0
         if hit.any():
-            res[name + "_us"] = quantiles((t[hit, i] - base) / 1000.0)
+            res[name + "_us"] = trace_common.quantiles((t[hit, i] - base) / 1000.0)
     looped = (t[:, 2] > 0) & (t[:, 3] > 0)
-    res["loop_us"] = quantiles((t[looped, 3] - t[looped, 2]) / 1000.0)
+    res["loop_us"] = trace_common.quantiles((t[looped, 3] - t[looped, 2]) / 1000.0)
     merged = (t[:, 4] > 0) & (t[:, 5] > 0)
-    res["merge_us"] = quantiles((t[merged, 5] - t[merged, 4]) / 1000.0)
+    res["merge_us"] = trace_common.quantiles((t[merged, 5] - t[merged, 4]) / 1000.0)
     sm = t[:, 7]
     per_sm = np.bincount(sm)
     res["sms_with_n_ctas"] = np.bincount(per_sm).tolist()
     ended = t[:, 5] > 0  # (CTAs of splits without admitted keys return before the last probe)
     finish = np.full(len(per_sm), -1.0)
     np.maximum.at(finish, sm[ended], (t[ended, 5] - base) / 1000.0)
-    res["sm_finish_us"] = quantiles(finish[finish >= 0])
+    res["sm_finish_us"] = trace_common.quantiles(finish[finish >= 0])
     # Key-loop time and exit of the CTAs grouped by how many CTAs their SM ran (SM-level contention)
     for n in np.unique(per_sm):
         on = per_sm[sm] == n
         if (on & looped).any():
-            res[f"loop_us_on_sms_with_{n}"] = quantiles((t[on & looped, 3] - t[on & looped, 2]) / 1000.0)
+            res[f"loop_us_on_sms_with_{n}"] = trace_common.quantiles(
+                (t[on & looped, 3] - t[on & looped, 2]) / 1000.0)
         if (on & ended).any():
-            res[f"exit_us_on_sms_with_{n}"] = quantiles((t[on & ended, 5] - base) / 1000.0)
+            res[f"exit_us_on_sms_with_{n}"] = trace_common.quantiles((t[on & ended, 5] - base) / 1000.0)
     return res
 
 

@@ -95,13 +95,6 @@ def instrumented_sources(dst: str) -> str:
     return src_dir
 
 
-def quantiles(values) -> list:
-    """0, 10, 50, 90 and 100% quantiles (an empty list when there are none)."""
-    if len(values) == 0:
-        return []
-    return [round(float(np.quantile(values, q)), 2) for q in (0, 0.1, 0.5, 0.9, 1.0)]
-
-
 def summarize(t) -> dict:
     """Per-item phases of the per-CTA rows ``t`` (entry, then per item EVENTS and its tiles at slot 7; ns;
     rows without an entry are ignored, and so are items without all six events: items without key tiles,
@@ -138,8 +131,8 @@ def summarize(t) -> dict:
             ends.append((prev_end - base) / 1000.0)
     span = sum(totals.values())
     res = {"ctas": int(len(t)), "items": len(phases["ready"]), "tiles": tiles_total,
-           "entry_us": quantiles((t[:, 0] - base) / 1000.0), "first_item_ready_us": quantiles(first_item),
-           "end_us": quantiles(ends)}
+           "entry_us": trace_common.quantiles((t[:, 0] - base) / 1000.0), "first_item_ready_us": trace_common.quantiles(first_item),
+           "end_us": trace_common.quantiles(ends)}
     for name, values in phases.items():
         res[f"{name}_ns_mean"] = round(float(np.mean(values)), 1) if values else None
         res[f"{name}_share"] = round(totals[name] / span, 4) if span else None
