@@ -131,8 +131,8 @@ def summarize(t) -> dict:
             ends.append((prev_end - base) / 1000.0)
     span = sum(totals.values())
     res = {"ctas": int(len(t)), "items": len(phases["ready"]), "tiles": tiles_total,
-           "entry_us": trace_common.quantiles((t[:, 0] - base) / 1000.0), "first_item_ready_us": trace_common.quantiles(first_item),
-           "end_us": trace_common.quantiles(ends)}
+           "entry_us": trace_common.quantiles((t[:, 0] - base) / 1000.0),
+           "first_item_ready_us": trace_common.quantiles(first_item), "end_us": trace_common.quantiles(ends)}
     for name, values in phases.items():
         res[f"{name}_ns_mean"] = round(float(np.mean(values)), 1) if values else None
         res[f"{name}_share"] = round(totals[name] / span, 4) if span else None
