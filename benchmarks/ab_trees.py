@@ -11,8 +11,9 @@ Only the public API of the tree under test is used (``cupa.PagedAttention``, ``c
 same script times older trees. The timer is this repository's (cupa/bench/timing.py, loaded by path):
 CUDA events, L2 flushed before each run, median of ``--reps`` runs. Each case is checked against the
 tree's own output of the first run (bit-identical across runs), and the JSON records the tree's git
-commit when ``--commit`` is given. The quantized decode cases (QUANT_CASES) and the general backend's
-calls (GENERAL_CASES: attention_bias, output_qk) come from the tree's own ``cupa.bench.cases``.
+commit when ``--commit`` is given. The quantized decode cases (QUANT_CASES), the general backend's
+calls (GENERAL_CASES: attention_bias, output_qk) and the prefills over 8-bit caches on both prefill
+backends (CODE_CASES) come from the tree's own ``cupa.bench.cases``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,16 @@ GENERAL_CASES = {
         "prefill", (4, 2048), dict(cache="int8", quant="PER_CHANNEL"), {}, "full", "general"),
     "general prefill B=4 q=2048 int4 per channel bias": (
         "prefill", (4, 2048), dict(cache="int4", quant="PER_CHANNEL"), {}, "full", "auto"),
+}
+
+#: The same form: prefill over caches of 8-bit codes on the mma.sync and the wgmma prefill (B=4 x 2048 causal,
+#: GQA 32/8, D=128, block 16)
+CODE_CASES = {
+    f"prefill B=4 q=2048 {cache} {quant.lower().replace('_', ' ')}{' bf16' if dtype == 'bfloat16' else ''} ({backend})": (
+        "prefill", (4, 2048), dict(cache=cache, quant=quant, dtype=dtype), {}, None, backend)
+    for cache, quant, dtype in (("fp8", "PER_TENSOR", "float16"), ("fp8", "PER_CHANNEL", "float16"),
+                                ("int8", "PER_CHANNEL", "float16"), ("fp8", "PER_TENSOR", "bfloat16"))
+    for backend in ("prefill", "prefill_wgmma")
 }
 
 
@@ -136,7 +147,7 @@ def main(argv=None) -> int:
         print(f"{args.label}: {name}: {entry['median_us']:.1f} us", flush=True)
         del built, inputs, first
         cp.get_default_memory_pool().free_all_blocks()
-    for name, (kind, pos, kw, attributes, bias, backend) in GENERAL_CASES.items():
+    for name, (kind, pos, kw, attributes, bias, backend) in {**GENERAL_CASES, **CODE_CASES}.items():
         if args.cases not in name:
             continue
         built = cases.build(getattr(cases, kind)(*pos, **kw), cp)

@@ -63,7 +63,9 @@ struct WsPrefillConfig {
   static constexpr int CONSUMERS = 2;                   // consumer warpgroups
   static constexpr int ROWS = 64 * CONSUMERS;           // query rows per work item
   static constexpr int COPIER_THREADS = 128;            // warpgroup 0: K/V gathers
-  static constexpr int SCHEDULER_THREADS = 128;         // warpgroup 1: items' rows and Q
+  static constexpr int SCHEDULER_THREADS = 128;         // warpgroup 1: items' rows and Q (8-bit caches: warps 4-5
+                                                        // only, warps 6-7 widen the tiles)
+  static constexpr int CONVERTER_THREADS = 64;          // 8-bit caches: warps 6-7 of warpgroup 1
   static constexpr int PRODUCER_THREADS = COPIER_THREADS + SCHEDULER_THREADS;
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
@@ -126,21 +128,29 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     const __grid_constant__ TmaMap tm_v, int tma_box, int tma_inputs,
     // row tiles: num_tiles in the numbering of paged_prefill (0), or at most tiles_per_seq a sequence
     int tiles_per_seq) {
-  // (k_scale, v_scale, k_quant, v_quant: the argument list of paged_prefill; unused, T caches only.)
   using Cfg = WsPrefillConfig;
   using L = WsPrefillSmem;
   static_assert(D == Cfg::D, "head_size 128 only");
-  static_assert(!Cache::quantized && sizeof(typename Cache::storage) == 2, "T caches only (16-bit)");
+  // 8-bit caches (int8, fp8 e4m3): a tile's codes land in slab 1 of its 16-bit stage tile (128 bytes a
+  // row, as one slab row) and the converter warps widen them there, exactly; K's per-tensor scale joins
+  // the score scale and its per-channel scale Q's rows, V's scale is applied in the epilogue (as in
+  // paged_prefill; k_scale, v_scale, k_quant, v_quant are unused for T caches).
+  constexpr bool QUANT = Cache::quantized;
+  static_assert(QUANT ? Cache::PACK == 1 && sizeof(typename Cache::storage) == 1 : sizeof(typename Cache::storage) == 2,
+                "T caches or 8-bit codes");
+  constexpr int CB = sizeof(typename Cache::storage);  // bytes a cache element
   constexpr int ROWS = Cfg::ROWS, KEYS = Cfg::KEYS, NST = Cfg::STAGES, NQ = Cfg::QBUFS;
   constexpr int PT = Cfg::PRODUCER_THREADS, CT = Cfg::CONSUMER_THREADS;
-  constexpr int CPT = Cfg::COPIER_THREADS, ST = Cfg::SCHEDULER_THREADS;
+  constexpr int WT = QUANT ? Cfg::CONVERTER_THREADS : 0;  // converter threads (warps 6-7)
+  constexpr int CPT = Cfg::COPIER_THREADS, ST = Cfg::SCHEDULER_THREADS - WT;
   constexpr int KC = KEYS / (CPT / 32);  // keys of a tile per copier warp
-  static_assert(KEYS == 128 && KC == 32 && ROWS == ST && NQ == 2, "copier lane l: key l of its warp's 32; scheduler thread i: row i");
+  static_assert(KEYS == 128 && KC == 32 && ROWS % ST == 0 && NQ == 2,
+                "copier lane l: key l of its warp's 32; scheduler thread i: rows i, i + ST, ..");
   static_assert(NST == 2, "ws_stage_parity: two stages");
 
   // As paged_prefill: without new-key inputs every CTA waits for the prologue here; with them CTA 0
   // does, and a copier warp before its first cache read.
-  const bool kv_new = key != nullptr;
+  const bool kv_new = !QUANT && key != nullptr;  // (a quantized cache never gets them)
   if (!kv_new || blockIdx.x == 0) grid_dependency_wait();
   if ((int)blockIdx.x < zero_ctas) {
     prefill_zero_pass<T, Cfg::THREADS / 32>(out, cum, batch_size, token_count, num_heads, D, lse);
@@ -156,14 +166,15 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   __shared__ WsItem sItem[NQ];
   __shared__ unsigned sMapped[NST][KEYS / 32];  // per stage: mapped-key bit mask of its K/V tile
   __shared__ __align__(16) int sRows[Cfg::COPIER_THREADS / 32][2][16];  // per copier warp: rows of its keys (this tile)
-  __shared__ __align__(8) unsigned long long sBar[4 * NQ + 5 * NST];
+  __shared__ __align__(8) unsigned long long sBar[4 * NQ + (QUANT ? 6 : 5) * NST];
   const unsigned q_a = smem_addr(smem), stages_a = q_a + NQ * L::q_bytes;
   const unsigned bar_a = smem_addr(sBar);
   // mbarriers: q_full / q_empty / info_full / info_empty per Q buffer, k_full / v_full / k_empty / v_empty
   // / v_land per stage. info_empty: every copier thread has read the item's WsItem, so the scheduler may
   // rewrite it (the consumers' q_empty does not say so: they never wait for the copiers on an item without
   // tiles). v_land: a V tile with keys to clean (ws_clean_keys) lands there instead of on v_full; the
-  // scheduler cleans it and completes v_full itself.
+  // scheduler cleans it and completes v_full itself. 8-bit caches: every K and V tile lands on k_land /
+  // v_land, and the converter warps complete k_full / v_full once they have widened it.
   auto q_full = [&](int i) { return bar_a + 8u * i; };
   auto q_empty = [&](int i) { return bar_a + 8u * (NQ + i); };
   auto info_full = [&](int i) { return bar_a + 8u * (2 * NQ + i); };  // the item's WsItem, for the copiers
@@ -173,19 +184,25 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   auto k_empty = [&](int s) { return bar_a + 8u * (4 * NQ + 2 * NST + s); };
   auto v_empty = [&](int s) { return bar_a + 8u * (4 * NQ + 3 * NST + s); };
   auto v_land = [&](int s) { return bar_a + 8u * (4 * NQ + 4 * NST + s); };  // V tiles to clean: landed
+  auto k_land = [&](int s) { return bar_a + 8u * (4 * NQ + 5 * NST + s); };  // 8-bit K codes: landed
+  auto k_bar = [&](int s) { return QUANT ? k_land(s) : k_full(s); };  // where the copiers' K tiles land
 
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, warp = tid >> 5, tid_lane = tid & 31;
+  // Each role's lane; 8-bit caches: read from %laneid where the role starts, so that no value lives
+  // across every role's registers (ptxas spilled tid % 32 there otherwise).
+  auto role_lane = [&] { return QUANT ? lane_id() : tid_lane; };
   if (tid == 0) {
     for (int i = 0; i < NQ; ++i) {
       mbar_init(q_full(i), 2 * ST);  // two arrivals a thread (see Ordering)
       mbar_init(q_empty(i), CT);
       mbar_init(info_full(i), 1);
-      mbar_init(info_empty(i), CPT);
+      mbar_init(info_empty(i), CPT + WT);
     }
     for (int s = 0; s < NST; ++s) {
-      mbar_init(k_full(s), 2 * CPT);
-      mbar_init(v_full(s), 2 * CPT);
+      mbar_init(k_full(s), QUANT ? WT : 2 * CPT);
+      mbar_init(v_full(s), QUANT ? WT : 2 * CPT);
       mbar_init(v_land(s), 2 * CPT);
+      if (QUANT) mbar_init(k_land(s), 2 * CPT);
       mbar_init(k_empty(s), CT);
       mbar_init(v_empty(s), CT);
     }
@@ -199,9 +216,71 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   if (warp < PT / 32) {
     if (warp >= CPT / 32) {
       setmaxnreg_dec<Cfg::SCHEDULER_REGS>();
-      // ---------------------------------------------------------------- scheduler warpgroup
-      // Thread i: row i of each item.
-      const int sw = warp - CPT / 32, stid = tid - CPT;
+      const int sw = warp - CPT / 32, stid = tid - CPT, lane = role_lane();
+      if constexpr (QUANT) {
+        if (sw >= ST / 32) {
+          // -------------------------------------------------------------- converter warps (8-bit caches)
+          // Every K and V tile, in the copiers' order: wait for its codes (k_land / v_land), widen them in
+          // place, fence.proxy.async (these writes before wgmma's reads), complete k_full / v_full. Warp wc
+          // widens rows 64wc..64wc+63, four rows a step: lane (q, c) reads 16-byte chunk c of row 4j + q
+          // (codes of channels 16c..16c+15, at chunk c ^ (row % 8) of the row's 128 bytes in slab 1) and
+          // writes channels 16c..16c+15 as two 16-bit chunks of slab c / 4. A row's codes and its slab-1
+          // row share their bytes and one warp, so every lane reads before any writes (__syncwarp). V
+          // tiles with keys some live row does not admit (WsItem::clean) widen NaN codes as 0.
+          const int wc = sw - ST / 32, q4 = lane >> 3, c8 = lane & 7;
+          auto widen_tile = [&](unsigned tile, bool finite) {
+            // Row 64wc + 4j + 4h + q4 (j even, h < 2) has row % 8 = 4h + q4: its chunk k sits at k ^ (4h + q4).
+            const unsigned rows = tile + (unsigned)((64 * wc + q4) * 128);
+            const unsigned ld = KEYS * 128 + (unsigned)((c8 ^ q4) << 4);
+            const unsigned st0 = (unsigned)((c8 >> 2) * (KEYS * 128) + (((2 * (c8 & 3)) ^ q4) << 4));
+#pragma unroll 1
+            for (int j = 0; j < KEYS / 8; j += 2) {
+              const unsigned at = rows + (unsigned)j * 512u;
+              unsigned w[2][4];
+#pragma unroll
+              for (int h = 0; h < 2; ++h) lds128(at + h * 512u + (ld ^ (h << 6)), w[h]);
+              __syncwarp();
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                unsigned x[8];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  unsigned v = w[h][e];
+                  if constexpr (!Cache::always_finite) v = finite ? Cache::finite4(v) : v;
+                  Widen4<T, Cache>::run(v, x[2 * e], x[2 * e + 1]);
+                }
+                const unsigned o = at + h * 512u + (st0 ^ (h << 6));
+                sts128(o, x[0], x[1], x[2], x[3]);
+                sts128(o ^ 16u, x[4], x[5], x[6], x[7]);  // (chunk k0 + 1: k0 even)
+              }
+            }
+          };
+          unsigned it = 0;  // K/V tiles widened, over all items (the copiers' count)
+          for (unsigned n = 0;; ++n) {
+            const int buf = n & 1;
+            if (n > 0) mbar_arrive(info_empty(buf ^ 1));  // item n - 1's WsItem is read (as the copiers)
+            mbar_wait(info_full(buf), (n >> 1) & 1);
+            const int ntiles = sItem[buf].ntiles;
+            if (ntiles < 0) break;
+            const int2 cl = sItem[buf].clean;
+            for (int kt = 0; kt < ntiles; ++kt, ++it) {
+              const int st = it % NST;
+              const unsigned ph = (it / NST) & 1, tile = stages_a + (unsigned)st * L::stage_bytes;
+              mbar_wait(k_land(st), ph);
+              widen_tile(tile, false);
+              fence_proxy_async_shared();
+              mbar_arrive(k_full(st));
+              mbar_wait(v_land(st), ph);
+              widen_tile(tile + L::tile_bytes, (unsigned)(kt - cl.x) >= (unsigned)(cl.y - cl.x));
+              fence_proxy_async_shared();
+              mbar_arrive(v_full(st));
+            }
+          }
+          return;
+        }
+      }
+      // ---------------------------------------------------------------- scheduler warps
+      // Thread i: rows i, i + ST, .. of each item (ST = 128: row i; 64 for 8-bit caches).
       const long long kv_capacity = (long long)max_blocks * block_size;
       unsigned n = 0;  // items published
       // After publishing item n + 1, the scheduler cleans item n's V tiles with keys to clean (V rows of
@@ -272,7 +351,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             mbar_arrive(info_full(buf));
           }
           mbar_arrive2(q_full(buf));
-          if (n > 0) {
+          if (!QUANT && n > 0) {
             bar_sync(WS_BAR_SCHEDULER, ST);  // (stid 0's writes of that WsItem, before its last arrival)
             clean_item(buf ^ 1);
           }
@@ -329,24 +408,44 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
           mbar_arrive(info_full(buf));  // the copiers may start on the item's keys
         }
         // Q rows, as they are (rows without admitted keys zero-filled); none when no key tile follows.
+        // With a per-channel K scale (8-bit caches) the scale is folded in through registers.
         if (any_keys) {
           const unsigned dq = q_a + buf * L::q_bytes;
+          if (QUANT && k_quant == QUANT_PER_CHANNEL) {
+#pragma unroll 2
+            for (int c = stid; c < ROWS * (D / 8); c += ST) {
+              const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+              float v[8];
+#pragma unroll
+              for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+              if (sHi[buf][r] > sLo[buf][r]) {
+                load8(q + ((long long)sTok[buf][r] * H + sHead[buf][r]) * D + col, v);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[i] *= __ldg(k_scale + g * D + col + i);
+              }
+              sts128(dq + wg_off<ROWS>(r, col), Mma<T>::pack(v[0], v[1]), Mma<T>::pack(v[2], v[3]),
+                     Mma<T>::pack(v[4], v[5]), Mma<T>::pack(v[6], v[7]));
+            }
+            fence_proxy_async_shared();  // (these writes before wgmma's reads)
+          } else {
 #pragma unroll 1
-          for (int c = stid; c < ROWS * (D / 8); c += ST) {
-            const int r = c / (D / 8), col = (c % (D / 8)) * 8;
-            const bool live = sHi[buf][r] > sLo[buf][r];
-            const T* src = live ? q + ((long long)sTok[buf][r] * H + sHead[buf][r]) * D + col : q;
-            cp_async_16_or_zero(dq + wg_off<ROWS>(r, col), src, live);
+            for (int c = stid; c < ROWS * (D / 8); c += ST) {
+              const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+              const bool live = sHi[buf][r] > sLo[buf][r];
+              const T* src = live ? q + ((long long)sTok[buf][r] * H + sHead[buf][r]) * D + col : q;
+              cp_async_16_or_zero(dq + wg_off<ROWS>(r, col), src, live);
+            }
           }
         }
         mbar_arrive_on_cp_async(q_full(buf));  // when the thread's Q rows land
         mbar_arrive(q_full(buf));  // also publishes sTok.. sHi and sItem (release)
-        if (n > 0) clean_item(buf ^ 1);  // item n - 1 (its WsItem stays until item n + 1 is published)
+        if (!QUANT && n > 0) clean_item(buf ^ 1);  // item n - 1 (its WsItem stays until item n + 1 is published)
         ++n;
       }
     } else {
       // ------------------------------------------------------------------ copier warps
       setmaxnreg_dec<Cfg::COPIER_REGS>();
+      const int lane = role_lane();
       // Copier warp cw fills keys 32cw..32cw+31 of each tile; lane l finds the row of key 32cw + l (one
       // tile ahead). Where each box of `box` consecutive keys (tma_box of a block, or all 32 new
       // tokens) is either wholly mapped -- consecutive rows -- or wholly masked, the warp's rows come
@@ -355,7 +454,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       // TMA off) each round copies 2 keys (lanes 0-15: key 2i, 16-31: key 2i + 1 of the warp's 32),
       // chunk l % 16 each, by cp.async (masked keys zero-filled).
       const int cw = warp;
-      const long long row_stride_bytes = (long long)Hk * D * 2;
+      const long long row_stride_bytes = (long long)Hk * D * CB;
       const FastDiv block_div(block_size);
       if (lane == 0 && cw == 0) {
         if (tma_box > 0) {
@@ -373,6 +472,9 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       const unsigned copy_base = (unsigned)((c >> 3) * (KEYS * 128) + (cw * KC + h) * 128);
       // ((c % 8) ^ ((2i + h) % 8)) 16 for i % 4 = j is swz0 ^ 32 j (2j + h < 8, h one bit): one register.
       const unsigned swz0 = (unsigned)(((c & 7) ^ h) << 4);
+      // 8-bit codes: rows of 128 bytes into slab 1, each round 4 keys (lane (q4, c8): key 4i + q4 of the
+      // warp's 32, chunk c8, at KEYS 128 + row 128 + ((c8 ^ (row % 8)) 16)).
+      const int q4 = lane >> 3, c8 = lane & 7;
       unsigned it = 0;  // K/V tiles issued, over all items
       for (unsigned n = 0;; ++n) {
         const int buf = n & 1;
@@ -408,7 +510,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
           auto source = [&](bool v) {
             const void* base = f.from_inputs ? (v ? (const void*)value : (const void*)key)
                                              : (v ? (const void*)value_cache : (const void*)key_cache);
-            return reinterpret_cast<const unsigned char*>(base) + (long long)s.g * D * 2 + c * 16;
+            return reinterpret_cast<const unsigned char*>(base) + (long long)s.g * D * CB + (QUANT ? c8 : c) * 16;
           };
           // The rows of the warp's keys go through shared memory (sRows, written once per tile) rather than
           // shuffles: a shuffle's latency before each dependent copy serialized the copier warp.
@@ -416,6 +518,16 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
           // as four 16-byte vectors.
           int (*const rows)[KC / 2] = sRows[cw];
           auto copy_tile = [&](unsigned dst, const unsigned char* src) {
+            if constexpr (QUANT) {
+              dst += KEYS * 128 + (unsigned)(cw * KC) * 128;
+#pragma unroll
+              for (int i = 0; i < KC / 4; ++i) {
+                const int key = 4 * i + q4, r = rows[key & 1][key >> 1];
+                cp_async_16_or_zero(dst + (unsigned)(key * 128 + ((c8 ^ (key & 7)) << 4)),
+                                    src + (long long)max(r, 0) * row_stride_bytes, r >= 0);
+              }
+              return;
+            }
             dst += copy_base;
             int r[KC / 2];
 #pragma unroll
@@ -448,12 +560,12 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
               const TmaMap* map = f.from_inputs ? (v ? &tm_v : &tm_k) : (v ? &tm_vc : &tm_kc);
               const int past_end = f.from_inputs ? token_count : num_blocks * block_size;
               const int g = s.g;
-              mbar_expect_tx(bar, KC * D * 2);
+              mbar_expect_tx(bar, KC * D * CB);
               for (int j = 0; j < KC; j += box) {
                 const int first = rows[0][j >> 1];
                 const unsigned to = tile + (unsigned)(cw * KC + j) * 128u;
-                tma_load_3d(to, map, 0, g, first >= 0 ? first : past_end, bar);
-                tma_load_3d(to + KEYS * 128, map, 64, g, first >= 0 ? first : past_end, bar);
+                if (!QUANT) tma_load_3d(to, map, 0, g, first >= 0 ? first : past_end, bar);
+                tma_load_3d(to + KEYS * 128, map, QUANT ? 0 : 64, g, first >= 0 ? first : past_end, bar);  // (codes: slab 1)
               }
             };
             if (it >= NST) mbar_wait(k_empty(st), parity);
@@ -462,16 +574,16 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             rows[lane & 1][lane >> 1] = row;
             __syncwarp();
             if (box > 0) {
-              if (lane == 0) load_boxes(dst, false, k_full(st));
-              mbar_arrive2(k_full(st));
+              if (lane == 0) load_boxes(dst, false, k_bar(st));
+              mbar_arrive2(k_bar(st));
             } else {
               copy_tile(dst, source(false));
-              mbar_arrive_on_cp_async(k_full(st));
-              mbar_arrive(k_full(st));
+              mbar_arrive_on_cp_async(k_bar(st));
+              mbar_arrive(k_bar(st));
             }
             if (it >= NST) mbar_wait(v_empty(st), parity);
             // (a tile with keys to clean goes to the scheduler first)
-            const unsigned vbar = v_full(st) + ((unsigned)(kt - s.clean.x) >= (unsigned)(s.clean.y - s.clean.x)
+            const unsigned vbar = v_full(st) + (QUANT || (unsigned)(kt - s.clean.x) >= (unsigned)(s.clean.y - s.clean.x)
                                                     ? v_land(0) - v_full(0) : 0u);
             if (box > 0) {
               if (lane == 0) load_boxes(dst + L::tile_bytes, true, vbar);
@@ -501,6 +613,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
 
   // -------------------------------------------------------------------- consumers
   setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+  const int lane = role_lane();
   const int cw = warp - PT / 32;  // consumer warp: rows 16cw..16cw+15 of an item
   const int u = cw >> 2;          // consumer warpgroup: rows 64u..64u+63
   const int r0 = lane >> 2;
@@ -508,7 +621,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   const int my_turn = WS_BAR_TURN + u, other_turn = WS_BAR_TURN + (u ^ 1);
   if (u == 1) bar_arrive(WS_BAR_TURN, CT);  // warpgroup 0 takes the first turn
 
-  const WgScores sc(scale, softcap);
+  const WgScores sc(QUANT && k_quant == QUANT_PER_TENSOR ? scale * k_scale[0] : scale, softcap);
   // Shared-memory layouts (16-bit, 128B swizzle; descriptor fields in wgmma.cuh): a [rows][128] tile
   // (a Q buffer: rows = ROWS; K, V: rows = KEYS) is two slabs [rows][64], slab h holding columns
   // 64h..64h+63 at byte h*rows*128, element (r, c) of a slab at r*128 + ((c/8 ^ r%8) * 16) + (c%8)*2
@@ -653,8 +766,16 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     // Epilogue: finalize this warp's rows into its own rows of the item's Q buffer (as T), then store
     // whole rows. The warpgroup barrier: every wgmma of the warpgroup (reading these rows) is complete.
     bar_sync(WS_BAR_WG + u, 128);
-    wg_store_rows<T, ROWS, D>(o, row_max, row_sum, cw * 16, lane, smem + buf * L::q_bytes, lo_row, hi_row, sHead[buf],
-                              sTok[buf], head_sink, out, lse, H);
+    if constexpr (QUANT) {  // V's scale: per tensor in the rows' factor, per channel on each channel
+      const int g = sItem[buf].g;
+      wg_store_rows<T, ROWS, D, true>(o, row_max, row_sum, cw * 16, lane, smem + buf * L::q_bytes, lo_row, hi_row,
+                                      sHead[buf], sTok[buf], head_sink, out, lse, H,
+                                      v_quant == QUANT_PER_CHANNEL ? v_scale + g * D : nullptr,
+                                      v_quant == QUANT_PER_TENSOR ? v_scale[0] : 1.0f);
+    } else {
+      wg_store_rows<T, ROWS, D>(o, row_max, row_sum, cw * 16, lane, smem + buf * L::q_bytes, lo_row, hi_row, sHead[buf],
+                                sTok[buf], head_sink, out, lse, H);
+    }
     mbar_arrive(q_empty(buf));  // the item's buffer and row data go back to the scheduler
   }
 }

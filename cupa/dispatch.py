@@ -24,7 +24,7 @@ from typing import Any, Optional
 from . import arrays
 from .contract import Problem
 from .device import DeviceInfo, device_info
-from .kernels.backend import FEATURES, unverified_features
+from .kernels.backend import describe_unverified, unverified_features
 from .errors import PagedAttentionError, fail
 from .options import Options
 
@@ -145,7 +145,7 @@ def _reasons_for_auto(backend, problem, device, options) -> list:
         if not backend.verified:
             reasons = [f"not yet verified on a GPU ({select})"]
         else:
-            what = ", ".join(FEATURES[f][0] for f in unverified_features(problem, backend))
+            what = ", ".join(describe_unverified(f) for f in unverified_features(problem, backend))
             reasons = [f"{what}: not yet verified on a GPU here ({select})"]
     return reasons
 
@@ -162,7 +162,7 @@ def account(problem: Problem, device: DeviceInfo, options: Options) -> str:
         reasons = _reasons_for_auto(b, problem, device, options) if options.backend == "auto" else \
             _eligible(b, problem, device, options)
         if b is chosen:
-            unverified = ", ".join(FEATURES[f][0] for f in unverified_features(problem, b))
+            unverified = ", ".join(describe_unverified(f) for f in unverified_features(problem, b))
             note = f"; {unverified}: not yet verified on a GPU" if unverified else ""
             lines.append(f"{b.name}: chosen ({b.describe(problem, device, options)}{note})")
         elif options.backend != "auto" and b.name != options.backend:

@@ -76,9 +76,39 @@ def test_wgmma_prefill_not_for_other_head_sizes(rng, D):
 
 
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
-def test_wgmma_prefill_not_for_quantized_caches(rng, cache):
-    assert chosen(rng, cache=cache) == "prefill"
-    assert f"{cache} cache" in account(rng, cache=cache)
+@pytest.mark.parametrize("quant", ["PER_TENSOR", "PER_CHANNEL"])
+def test_wgmma_prefill_for_8bit_caches(rng, monkeypatch, cache, quant):
+    """8-bit caches: served (their codes widened by the converter warps); while marked unverified, auto keeps
+    them on the mma.sync prefill and explain() says why, and Options(backend="prefill_wgmma") runs them."""
+    kw = dict(cache=cache, k_quant=quant, v_quant=quant)
+    monkeypatch.setattr(prefill_wgmma.BACKEND, "unverified", frozenset({"cache8"}))
+    assert chosen(rng, **kw) == "prefill"
+    text = account(rng, **kw)
+    assert "prefill_wgmma: not eligible: caches of 8-bit codes (int8, fp8): not yet verified on a GPU" in text, text
+    named = cupa.Options(backend="prefill_wgmma")
+    assert chosen(rng, options=named, **kw) == "prefill_wgmma"
+    assert "not yet verified on a GPU" in account(rng, options=named, **kw)
+    monkeypatch.setattr(prefill_wgmma.BACKEND, "unverified", frozenset())
+    assert chosen(rng, **kw) == "prefill_wgmma"
+    assert f"{cache} codes widened to float16 in shared memory by 2 converter warps" in account(rng, **kw)
+    spec = prefill_wgmma.BACKEND._spec(problem_of(rng, **kw), H200)
+    assert spec in prefill_wgmma.BACKEND.specializations() and registry.types.cache(cache, "float16") in spec.name_expression
+
+
+@pytest.mark.parametrize("cache,v_cache", [("int4", None), ("fp4", None), ("int4", "fp4")])
+def test_wgmma_prefill_not_for_packed_caches(rng, cache, v_cache):
+    kw = dict(cache=cache, v_cache=v_cache, packed=True)
+    assert chosen(rng, **kw) == "prefill"
+    assert "the wgmma prefill takes two caches of T, int8 or fp8 (one kind)" in account(rng, **kw)
+
+
+def test_tensor_maps_of_8bit_codes():
+    """A cache of 8-bit codes is mapped with 128-byte boxes of 128 codes (one slab row per cache row)."""
+    assert tma.map_args(4096 * 16, 8, 128, 16, 1) == ((128, 8, 65536), (128, 1024), (128, 1, 16))
+    with pytest.raises(ValueError):
+        tma.map_args(100, 1, 64, 16, 1)  # (less than one 128-byte row)
+    with pytest.raises(ValueError):
+        tma.map_args(100, 1, 128, 16, 4)
 
 
 def test_float32_and_decode_shaped_calls_go_to_decode(rng):
@@ -176,8 +206,9 @@ def test_wgmma_row_tiles_under_a_query_bound(rng):
 
 def test_pinned_specializations_and_compile_tasks():
     pinned = [s for s in registry.all_specializations() if s.arch]
-    assert len(pinned) == 4 and all(s.arch == "sm_90a" for s in pinned)
-    assert sorted(s.family for s in pinned) == ["mla_wgmma"] * 2 + ["prefill_wgmma_ws"] * 2
+    assert len(pinned) == 8 and all(s.arch == "sm_90a" for s in pinned)
+    # (the wgmma prefill: fp16 / bf16 x caches of T, int8, fp8)
+    assert sorted(s.family for s in pinned) == ["mla_wgmma"] * 2 + ["prefill_wgmma_ws"] * 6
     assert "@sm_90a" in str(pinned[0])
     portable = jit.Specialization("decode", "k")
     tasks = cupa_compile.compile_tasks([portable] + pinned, ["sm_80", "sm_90"])
@@ -201,14 +232,14 @@ def test_pinned_cache_key_follows_options_and_source():
 
 def test_wgmma_kernel_compiles_for_sm_90a_without_spills():
     """NVRTC never serializes the wgmma pipeline (C7520 / C7512 / C7514), keeps setmaxnreg (no C7508
-    'ignored': 64 registers for the copier, 48 for the scheduler, 200 for the consumers) and spills
-    nothing."""
+    'ignored': 64 registers for the copier, 48 for the scheduler (and the converter warps of 8-bit caches),
+    200 for the consumers) and spills nothing, for every cache kind."""
     try:
         jit.nvrtc_version()
     except Exception as exc:  # pragma: no cover - NVRTC missing
         pytest.skip(f"NVRTC unavailable: {exc}")
-    for dtype in prefill_wgmma.WGMMA_DTYPES:
-        r = jit.compile_offline(registry.prefill_wgmma_ws_spec(dtype), "sm_90a", keep_cubin=True)
+    for dtype, cache in ((d, c) for d in prefill_wgmma.WGMMA_DTYPES for c in prefill_wgmma.WGMMA_CACHES):
+        r = jit.compile_offline(registry.prefill_wgmma_ws_spec(dtype, 128, cache), "sm_90a", keep_cubin=True)
         assert r.ok, r.log
         assert r.cubin and r.lowered_name.startswith("_Z22paged_prefill_wgmma_ws")
         assert "setmaxnreg" not in r.log and "serialized" not in r.log, r.log

@@ -69,10 +69,23 @@ def feature_reasons(problem: Problem, serves: frozenset) -> list:
     return reasons
 
 
+#: What a backend may also mark unverified (``CudaBackend.unverified``), beside :data:`FEATURES`: the cache
+#: kinds its kernels read, where some of them have not yet passed their GPU tests.
+CACHE_KINDS_UNVERIFIABLE = {"cache8": "caches of 8-bit codes (int8, fp8)"}
+
+
 def unverified_features(problem: Problem, backend) -> list:
-    """The features ``problem`` uses that ``backend`` serves but has not yet had verified on a GPU
-    (``CudaBackend.unverified``)."""
-    return [f for f in features_of(problem) if f in backend.unverified]
+    """The features ``problem`` uses (and its cache kind, :data:`CACHE_KINDS_UNVERIFIABLE`) that ``backend``
+    serves but has not yet had verified on a GPU (``CudaBackend.unverified``)."""
+    used = features_of(problem)
+    if problem.quantized and not problem.sub_byte:
+        used.append("cache8")
+    return [f for f in used if f in backend.unverified]
+
+
+def describe_unverified(feature: str) -> str:
+    """The words explain() uses for an entry of ``CudaBackend.unverified``."""
+    return FEATURES[feature][0] if feature in FEATURES else CACHE_KINDS_UNVERIFIABLE[feature]
 
 
 def packed_cache_reasons(problem: Problem) -> list:
@@ -98,9 +111,10 @@ class CudaBackend:
     serves : frozenset
         The :data:`FEATURES` it serves.
     unverified : frozenset
-        The features of ``serves`` whose kernels have not yet passed their GPU tests on a device: a call
-        using one is never given to this backend by ``Options(backend="auto")`` (explain() says "not yet
-        verified on a GPU"); ``Options(backend=name)`` runs it.
+        The features of ``serves`` (or cache kinds, :data:`CACHE_KINDS_UNVERIFIABLE`) whose kernels have not
+        yet passed their GPU tests on a device: a call using one is never given to this backend by
+        ``Options(backend="auto")`` (explain() says "not yet verified on a GPU"); ``Options(backend=name)``
+        runs it.
     """
 
     name = ""

@@ -14,7 +14,8 @@ goes to the mma.sync prefill backend):
 
 - the inputs' device has compute capability 9.0 (wgmma needs the arch-specific sm_90a target,
   compiled offline with NVRTC and loaded as a cubin: :func:`cupa.jit.get_kernel` on a pinned spec);
-- T is float16 or bfloat16, the caches hold T (int8/fp8 caches go to the mma.sync prefill), and
+- T is float16 or bfloat16, both caches hold T or both hold 8-bit codes of one kind (int8 or fp8,
+  widened in shared memory by two converter warps; packed 4-bit caches go to the mma.sync prefill), and
   head_size is 128;
 - no LATENT layout, attention_bias or output_qk (as for the mma.sync prefill).
 """
@@ -33,6 +34,8 @@ from .prefill import MAX_GRID_X, PrefillBackend, kv_from_inputs, prologue_phrase
 from .types import i32
 
 WGMMA_DTYPES = ("float16", "bfloat16")
+#: Cache kinds of both caches (one kind for K and V): T, or 8-bit codes the kernel widens in place.
+WGMMA_CACHES = ("T", "int8", "fp8")
 WGMMA_HEAD_SIZES = (128,)
 CAPABILITY = (9, 0)
 #: mirrors WsPrefillConfig / WsPrefillSmem in prefill_wgmma_ws.cu
@@ -116,7 +119,9 @@ class PrefillWgmmaBackend(PrefillBackend):
 
     name = "prefill_wgmma"
     serves = frozenset({"return_lse"})   # not the packed 4-bit caches or the bias PrefillBackend reads
-    unverified = frozenset()
+    #: int8 / fp8 caches: the converter warps' path (auto keeps those calls on the mma.sync prefill until
+    #: its GPU tests have passed)
+    unverified = frozenset({"cache8"})
     # The persistent CTAs take their items in a fixed order, so the CTAs of SMs a prologue beside holds
     # start late and end late: on the H200, causal B=4 x 2048 ran 339.6 us with the prologue on 32 SMs
     # of its own and 330.8 us with it first on every SM (B=1 x 8192: 980.4 / 954.5 us).
@@ -126,8 +131,9 @@ class PrefillWgmmaBackend(PrefillBackend):
         p, reasons = problem, []
         if p.dtype not in WGMMA_DTYPES:
             reasons.append(f"T={p.dtype}: the wgmma prefill takes float16 or bfloat16")
-        if p.quantized:
-            reasons.append(f"{p.cache_kind} cache: the wgmma prefill takes caches of T")
+        if p.cache_kind not in WGMMA_CACHES or p.v_cache_kind != p.cache_kind:
+            kinds = p.cache_kind if p.v_cache_kind == p.cache_kind else f"{p.cache_kind} / {p.v_cache_kind}"
+            reasons.append(f"{kinds} caches: the wgmma prefill takes two caches of T, int8 or fp8 (one kind)")
         if p.head_size not in WGMMA_HEAD_SIZES:
             reasons.append(f"head_size {p.head_size}: the wgmma prefill takes {WGMMA_HEAD_SIZES[0]} only")
         if device.capability != CAPABILITY:
@@ -147,7 +153,8 @@ class PrefillWgmmaBackend(PrefillBackend):
         return reasons
 
     def specializations(self) -> list:
-        return [registry.prefill_wgmma_ws_spec(dtype, d) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES]
+        return [registry.prefill_wgmma_ws_spec(dtype, d, kind) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES
+                for kind in WGMMA_CACHES]
 
     def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
         plan = launch_plan(problem, persistent_ctas(device, options))
@@ -158,6 +165,9 @@ class PrefillWgmmaBackend(PrefillBackend):
         if inputs:
             feed.append(f"new rows from key/value by TMA in boxes of {WARP_KEYS}")
         feed = "; ".join(feed + ["otherwise block-table gathers with cp.async"])
+        if problem.quantized:
+            feed += (f"; {problem.cache_kind} codes widened to {problem.dtype} in shared memory by 2 converter "
+                     "warps")
         per_seq = (f"(at most {plan['tiles_per_seq']} a sequence: attention_metadata's max_query_len_bound) "
                    if plan["tiles_per_seq"] else "")
         return (f"paged prefill on Hopper warpgroup MMA, warp-specialized (wgmma m64n128k16, sm_90a): "
@@ -171,7 +181,7 @@ class PrefillWgmmaBackend(PrefillBackend):
 
     # Read when a plan's launches are built.
     def _spec(self, p: Problem, device: DeviceInfo):
-        return registry.prefill_wgmma_ws_spec(p.dtype, p.head_size)
+        return registry.prefill_wgmma_ws_spec(p.dtype, p.head_size, p.cache_kind)
 
     def _plan(self, p: Problem, device: DeviceInfo, options: Options) -> dict:
         return launch_plan(p, persistent_ctas(device, options))
@@ -199,12 +209,13 @@ def _maps(p: Problem, cache_box: int, inputs: bool):
     its plan uses none), encoded per address (:func:`tma.rows_map` keeps recent ones)."""
     slots, heads, d = p.num_blocks * p.block_size, p.kv_num_heads, p.head_size
     tokens, zero, rows_map = p.token_count, tma.ZERO_MAP, tma.rows_map
+    code_bytes = 1 if p.quantized else 2  # (8-bit codes, or T)
 
     def maps(ptrs):
         kc = vc = k = v = zero
         if cache_box:
-            kc = rows_map(ptrs[_KEY_CACHE], slots, heads, d, cache_box)
-            vc = rows_map(ptrs[_VALUE_CACHE], slots, heads, d, cache_box)
+            kc = rows_map(ptrs[_KEY_CACHE], slots, heads, d, cache_box, code_bytes)
+            vc = rows_map(ptrs[_VALUE_CACHE], slots, heads, d, cache_box, code_bytes)
         if inputs:
             k = rows_map(ptrs[_KEY], tokens, heads, d, WARP_KEYS)
             v = rows_map(ptrs[_VALUE], tokens, heads, d, WARP_KEYS)

@@ -11,7 +11,9 @@ The maps here view a tensor of 16-bit rows, ``(rows, heads, head_size)`` C-conti
 ``(num_blocks, block_size, kv_num_heads, head_size)`` as ``num_blocks * block_size`` rows, or
 ``key``/``value`` as ``token_count`` rows), as the rank-3 tensor (head_size, heads, rows) with boxes
 of 64 columns x 1 head x ``box_rows`` rows, 128-byte swizzled: the layout wgmma reads (two 64-column
-slabs per tile; ``wg_off`` in wgmma.cuh). Elements outside the tensor are filled with zeros.
+slabs per tile; ``wg_off`` in wgmma.cuh). A cache of 8-bit codes (``elem_bytes=1``) is viewed the same
+way with boxes of 128 columns: one 128-byte row per cache row, the layout of one slab, where the wgmma
+prefill widens them. Elements outside the tensor are filled with zeros.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import functools
 from .driver import tensor_map_encode_tiled
 
 #: cuda.h enums
+_UINT8 = 0                # CU_TENSOR_MAP_DATA_TYPE_UINT8 (8-bit codes: int8 and fp8 alike)
 _UINT16 = 1               # CU_TENSOR_MAP_DATA_TYPE_UINT16 (a copy: fp16 and bf16 alike)
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
@@ -29,8 +32,9 @@ _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0       # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
 
 MAP_BYTES = 128
-#: Columns per box: 64 16-bit elements = the 128-byte swizzle span.
+#: Columns per box of 16-bit elements: 64 = the 128-byte swizzle span (128 of 8-bit codes).
 BOX_COLUMNS = 64
+SWIZZLE_BYTES = 128
 #: Largest box extent along any dimension (cuTensorMapEncodeTiled).
 MAX_BOX = 256
 #: Coordinates are 32-bit signed in cp.async.bulk.tensor: the rows of a map stay below this.
@@ -44,14 +48,18 @@ def available() -> bool:
     return tensor_map_encode_tiled() is not None
 
 
-def map_args(rows: int, heads: int, head_size: int, box_rows: int) -> tuple:
+def map_args(rows: int, heads: int, head_size: int, box_rows: int, elem_bytes: int = 2) -> tuple:
     """The shape arguments of :func:`rows_map` as ``cuTensorMapEncodeTiled`` takes them:
     (globalDim, globalStrides, boxDim), innermost first; raises ValueError where they break its rules."""
-    if head_size % BOX_COLUMNS or not 0 < heads or not 0 < rows <= MAX_ROWS or not 0 < box_rows <= MAX_BOX:
-        raise ValueError(f"tensor map: rows={rows}, heads={heads}, head_size={head_size}, box_rows={box_rows}")
+    columns = SWIZZLE_BYTES // elem_bytes if elem_bytes in (1, 2) else 0
+    if (not columns or head_size % columns or not 0 < heads or not 0 < rows <= MAX_ROWS
+            or not 0 < box_rows <= MAX_BOX):
+        raise ValueError(f"tensor map: rows={rows}, heads={heads}, head_size={head_size}, box_rows={box_rows}, "
+                         f"elem_bytes={elem_bytes}")
     dims = (head_size, heads, rows)
-    strides = (head_size * 2, heads * head_size * 2)  # bytes, of dimensions 1 and 2 (multiples of 16)
-    box = (BOX_COLUMNS, 1, box_rows)
+    # bytes, of dimensions 1 and 2 (multiples of 16)
+    strides = (head_size * elem_bytes, heads * head_size * elem_bytes)
+    box = (columns, 1, box_rows)
     return dims, strides, box
 
 
@@ -61,21 +69,23 @@ MAPS_KEPT = 1024
 
 
 @functools.lru_cache(maxsize=MAPS_KEPT)
-def rows_map(ptr: int, rows: int, heads: int, head_size: int, box_rows: int) -> bytes:
-    """The 128-byte tensor map of the 16-bit tensor ``(rows, heads, head_size)`` at device address ``ptr``
-    (16-byte aligned) with boxes of 64 x 1 x ``box_rows`` (see the module docstring)."""
+def rows_map(ptr: int, rows: int, heads: int, head_size: int, box_rows: int, elem_bytes: int = 2) -> bytes:
+    """The 128-byte tensor map of the tensor ``(rows, heads, head_size)`` of 16-bit elements (or 8-bit codes:
+    ``elem_bytes=1``) at device address ``ptr`` (16-byte aligned) with boxes of 128 bytes x 1 x ``box_rows``
+    (see the module docstring)."""
     fn = tensor_map_encode_tiled()
     if fn is None:
         raise RuntimeError("tensor maps: the CUDA driver has no cuTensorMapEncodeTiled (check available() first)")
     if ptr % 16:
         raise ValueError(f"tensor map: device address {ptr:#x} is not 16-byte aligned")
-    dims, strides, box = map_args(rows, heads, head_size, box_rows)
+    dims, strides, box = map_args(rows, heads, head_size, box_rows, elem_bytes)
     buf = ctypes.create_string_buffer(MAP_BYTES + 64)  # the driver writes a 64-byte aligned map
     offset = -ctypes.addressof(buf) % 64
-    status = fn(ctypes.c_void_p(ctypes.addressof(buf) + offset), _UINT16, 3, ctypes.c_void_p(ptr),
+    status = fn(ctypes.c_void_p(ctypes.addressof(buf) + offset), _UINT8 if elem_bytes == 1 else _UINT16, 3,
+                ctypes.c_void_p(ptr),
                 (ctypes.c_uint64 * 3)(*dims), (ctypes.c_uint64 * 2)(*strides), (ctypes.c_uint32 * 3)(*box),
                 (ctypes.c_uint32 * 3)(1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
     if status:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} (rows={rows}, heads={heads}, "
-                           f"head_size={head_size}, box_rows={box_rows}, address {ptr:#x})")
+                           f"head_size={head_size}, box_rows={box_rows}, elem_bytes={elem_bytes}, address {ptr:#x})")
     return buf.raw[offset:offset + MAP_BYTES]
