@@ -1,9 +1,9 @@
-// Paged prefill on Hopper, warp-specialized and persistent (sm_90a only): fp16/bf16 T, T caches,
-// head_size 128. The contract, row tiles (ROWS = 128 (new token, query head) rows of one sequence
+// Paged prefill on Hopper, warp-specialized and persistent (sm_90a only): fp16/bf16 T, caches of T or
+// of 8-bit codes (int8, fp8 e4m3: both caches one kind), head_size 128. The contract, row tiles (ROWS = 128 (new token, query head) rows of one sequence
 // and one KV head, token-major), tile numbering over a ragged batch, zero pass and contract §4.4 rules of
 // paged_prefill (prefill.cu, prefill_tiles.cuh), with both products on wgmma. Reads: Q (the
 // prologue's workspace or `query`), the caches through the block table (or new K/V from key /
-// value: NewKeys), cum / past_seqlens / query_positions, head_sink. Writes: `out`, and `lse` when
+// value: NewKeys), cum / past_seqlens / query_positions, head_sink, the scales of 8-bit caches. Writes: `out`, and `lse` when
 // asked for (non-null: each row's log-sum-exp in the epilogue, -inf for unowned tokens in the zero
 // pass; no other pass over the keys). Host values that size the launch: token_count, batch_size,
 // head counts (num_tiles, tiles_per_seq, zero_ctas) and the CTA count (at most one per SM); none enters a
@@ -20,7 +20,10 @@
 //     in shared memory; then lane 0 issues TMA boxes of consecutive rows (tma_box cache rows of one
 //     block, or 32 new rows of key / value; tensor maps from the host, 128B swizzle), or, where a box
 //     would mix masked and unmasked keys or TMA does not apply, each round the warp copies 2 keys x 16
-//     chunks of 16 bytes (cp.async).
+//     chunks of 16 bytes (cp.async). 8-bit codes: a row is 128 bytes, one row of slab 1 of the tile
+//     (TMA boxes of 128 codes, or 4 keys x 8 chunks a round); once its rows of a tile have landed (its
+//     own mbarrier, land), the warp widens them in place to T (exactly), cleaning NaN codes in V tiles
+//     with keys to clean, and completes k_full / v_full itself.
 //   scheduler (warps 4-7, 48 registers): for each item, finds its sequence and the admitted key range
 //     of each of its 128 rows (thread r: row r), publishes them (WsItem for the copiers; the row data
 //     and the Q rows, cp.async into one of two Q buffers, for the consumers) as soon as the consumers
@@ -37,8 +40,10 @@
 // Full / empty mbarriers per Q buffer (the Q rows and row data for the consumers, the WsItem for the
 // copiers) and per stage (K and V apart) replace the per-tile CTA barrier. A key a row does not admit
 // never reaches its output: masked scores are selected to -inf, V rows that meet P = 0 in a tile are
-// cleaned of Inf / NaN before the product (by the scheduler, between v_land and v_full: clean_item), and
-// rows without admitted keys write zeros.
+// cleaned of Inf / NaN before the product (by the scheduler, between v_land and v_full: clean_item; for
+// 8-bit codes by the copiers as they widen), and rows without admitted keys write zeros. Scales of 8-bit
+// caches: K's per tensor in the score scale, per channel in Q's rows (the scheduler loads them through
+// registers), V's in the epilogue.
 // Ordering: TMA writes complete the full barriers' tx bytes (expect_tx by the issuing lane first);
 // q_full, k_full and v_full count two arrivals a thread: a thread that copied with cp.async arrives
 // once when its copies land (cp.async.mbarrier.arrive.noinc) and once itself, any other thread twice
@@ -63,9 +68,7 @@ struct WsPrefillConfig {
   static constexpr int CONSUMERS = 2;                   // consumer warpgroups
   static constexpr int ROWS = 64 * CONSUMERS;           // query rows per work item
   static constexpr int COPIER_THREADS = 128;            // warpgroup 0: K/V gathers
-  static constexpr int SCHEDULER_THREADS = 128;         // warpgroup 1: items' rows and Q (8-bit caches: warps 4-5
-                                                        // only, warps 6-7 widen the tiles)
-  static constexpr int CONVERTER_THREADS = 64;          // 8-bit caches: warps 6-7 of warpgroup 1
+  static constexpr int SCHEDULER_THREADS = 128;         // warpgroup 1: items' rows and Q
   static constexpr int PRODUCER_THREADS = COPIER_THREADS + SCHEDULER_THREADS;
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
@@ -132,8 +135,8 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   using L = WsPrefillSmem;
   static_assert(D == Cfg::D, "head_size 128 only");
   // 8-bit caches (int8, fp8 e4m3): a tile's codes land in slab 1 of its 16-bit stage tile (128 bytes a
-  // row, as one slab row) and the converter warps widen them there, exactly; K's per-tensor scale joins
-  // the score scale and its per-channel scale Q's rows, V's scale is applied in the epilogue (as in
+  // row, as one slab row) and each copier warp widens its own rows there, exactly; K's per-tensor scale
+  // joins the score scale and its per-channel scale Q's rows, V's scale is applied in the epilogue (as in
   // paged_prefill; k_scale, v_scale, k_quant, v_quant are unused for T caches).
   constexpr bool QUANT = Cache::quantized;
   static_assert(QUANT ? Cache::PACK == 1 && sizeof(typename Cache::storage) == 1 : sizeof(typename Cache::storage) == 2,
@@ -141,11 +144,9 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   constexpr int CB = sizeof(typename Cache::storage);  // bytes a cache element
   constexpr int ROWS = Cfg::ROWS, KEYS = Cfg::KEYS, NST = Cfg::STAGES, NQ = Cfg::QBUFS;
   constexpr int PT = Cfg::PRODUCER_THREADS, CT = Cfg::CONSUMER_THREADS;
-  constexpr int WT = QUANT ? Cfg::CONVERTER_THREADS : 0;  // converter threads (warps 6-7)
-  constexpr int CPT = Cfg::COPIER_THREADS, ST = Cfg::SCHEDULER_THREADS - WT;
+  constexpr int CPT = Cfg::COPIER_THREADS, ST = Cfg::SCHEDULER_THREADS;
   constexpr int KC = KEYS / (CPT / 32);  // keys of a tile per copier warp
-  static_assert(KEYS == 128 && KC == 32 && ROWS % ST == 0 && NQ == 2,
-                "copier lane l: key l of its warp's 32; scheduler thread i: rows i, i + ST, ..");
+  static_assert(KEYS == 128 && KC == 32 && ROWS == ST && NQ == 2, "copier lane l: key l of its warp's 32; scheduler thread i: row i");
   static_assert(NST == 2, "ws_stage_parity: two stages");
 
   // As paged_prefill: without new-key inputs every CTA waits for the prologue here; with them CTA 0
@@ -166,15 +167,15 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   __shared__ WsItem sItem[NQ];
   __shared__ unsigned sMapped[NST][KEYS / 32];  // per stage: mapped-key bit mask of its K/V tile
   __shared__ __align__(16) int sRows[Cfg::COPIER_THREADS / 32][2][16];  // per copier warp: rows of its keys (this tile)
-  __shared__ __align__(8) unsigned long long sBar[4 * NQ + (QUANT ? 6 : 5) * NST];
+  __shared__ __align__(8) unsigned long long sBar[4 * NQ + 5 * NST + (QUANT ? 2 * NST * (CPT / 32) : 0)];
   const unsigned q_a = smem_addr(smem), stages_a = q_a + NQ * L::q_bytes;
   const unsigned bar_a = smem_addr(sBar);
   // mbarriers: q_full / q_empty / info_full / info_empty per Q buffer, k_full / v_full / k_empty / v_empty
   // / v_land per stage. info_empty: every copier thread has read the item's WsItem, so the scheduler may
   // rewrite it (the consumers' q_empty does not say so: they never wait for the copiers on an item without
   // tiles). v_land: a V tile with keys to clean (ws_clean_keys) lands there instead of on v_full; the
-  // scheduler cleans it and completes v_full itself. 8-bit caches: every K and V tile lands on k_land /
-  // v_land, and the converter warps complete k_full / v_full once they have widened it.
+  // scheduler cleans it and completes v_full itself. 8-bit caches: each copier warp's rows of a K or V tile
+  // land on its own barrier (land), and the warp completes k_full / v_full once it has widened them.
   auto q_full = [&](int i) { return bar_a + 8u * i; };
   auto q_empty = [&](int i) { return bar_a + 8u * (NQ + i); };
   auto info_full = [&](int i) { return bar_a + 8u * (2 * NQ + i); };  // the item's WsItem, for the copiers
@@ -184,25 +185,25 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   auto k_empty = [&](int s) { return bar_a + 8u * (4 * NQ + 2 * NST + s); };
   auto v_empty = [&](int s) { return bar_a + 8u * (4 * NQ + 3 * NST + s); };
   auto v_land = [&](int s) { return bar_a + 8u * (4 * NQ + 4 * NST + s); };  // V tiles to clean: landed
-  auto k_land = [&](int s) { return bar_a + 8u * (4 * NQ + 5 * NST + s); };  // 8-bit K codes: landed
-  auto k_bar = [&](int s) { return QUANT ? k_land(s) : k_full(s); };  // where the copiers' K tiles land
+  // 8-bit codes of copier warp w's rows of the K (v = 0) or V (v = 1) tile in stage s: landed
+  auto land = [&](int s, int v, int w) { return bar_a + 8u * (4 * NQ + 5 * NST + (2 * s + v) * (CPT / 32) + w); };
 
-  const int tid = threadIdx.x, warp = tid >> 5, tid_lane = tid & 31;
-  // Each role's lane; 8-bit caches: read from %laneid where the role starts, so that no value lives
-  // across every role's registers (ptxas spilled tid % 32 there otherwise).
-  auto role_lane = [&] { return QUANT ? lane_id() : tid_lane; };
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   if (tid == 0) {
     for (int i = 0; i < NQ; ++i) {
       mbar_init(q_full(i), 2 * ST);  // two arrivals a thread (see Ordering)
       mbar_init(q_empty(i), CT);
       mbar_init(info_full(i), 1);
-      mbar_init(info_empty(i), CPT + WT);
+      mbar_init(info_empty(i), CPT);
     }
     for (int s = 0; s < NST; ++s) {
-      mbar_init(k_full(s), QUANT ? WT : 2 * CPT);
-      mbar_init(v_full(s), QUANT ? WT : 2 * CPT);
+      mbar_init(k_full(s), 2 * CPT);
+      mbar_init(v_full(s), 2 * CPT);
       mbar_init(v_land(s), 2 * CPT);
-      if (QUANT) mbar_init(k_land(s), 2 * CPT);
+      for (int w = 0; QUANT && w < CPT / 32; ++w) {
+        mbar_init(land(s, 0, w), 64);  // (two arrivals a lane)
+        mbar_init(land(s, 1, w), 64);
+      }
       mbar_init(k_empty(s), CT);
       mbar_init(v_empty(s), CT);
     }
@@ -216,71 +217,9 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   if (warp < PT / 32) {
     if (warp >= CPT / 32) {
       setmaxnreg_dec<Cfg::SCHEDULER_REGS>();
-      const int sw = warp - CPT / 32, stid = tid - CPT, lane = role_lane();
-      if constexpr (QUANT) {
-        if (sw >= ST / 32) {
-          // -------------------------------------------------------------- converter warps (8-bit caches)
-          // Every K and V tile, in the copiers' order: wait for its codes (k_land / v_land), widen them in
-          // place, fence.proxy.async (these writes before wgmma's reads), complete k_full / v_full. Warp wc
-          // widens rows 64wc..64wc+63, four rows a step: lane (q, c) reads 16-byte chunk c of row 4j + q
-          // (codes of channels 16c..16c+15, at chunk c ^ (row % 8) of the row's 128 bytes in slab 1) and
-          // writes channels 16c..16c+15 as two 16-bit chunks of slab c / 4. A row's codes and its slab-1
-          // row share their bytes and one warp, so every lane reads before any writes (__syncwarp). V
-          // tiles with keys some live row does not admit (WsItem::clean) widen NaN codes as 0.
-          const int wc = sw - ST / 32, q4 = lane >> 3, c8 = lane & 7;
-          auto widen_tile = [&](unsigned tile, bool finite) {
-            // Row 64wc + 4j + 4h + q4 (j even, h < 2) has row % 8 = 4h + q4: its chunk k sits at k ^ (4h + q4).
-            const unsigned rows = tile + (unsigned)((64 * wc + q4) * 128);
-            const unsigned ld = KEYS * 128 + (unsigned)((c8 ^ q4) << 4);
-            const unsigned st0 = (unsigned)((c8 >> 2) * (KEYS * 128) + (((2 * (c8 & 3)) ^ q4) << 4));
-#pragma unroll 1
-            for (int j = 0; j < KEYS / 8; j += 2) {
-              const unsigned at = rows + (unsigned)j * 512u;
-              unsigned w[2][4];
-#pragma unroll
-              for (int h = 0; h < 2; ++h) lds128(at + h * 512u + (ld ^ (h << 6)), w[h]);
-              __syncwarp();
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                unsigned x[8];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                  unsigned v = w[h][e];
-                  if constexpr (!Cache::always_finite) v = finite ? Cache::finite4(v) : v;
-                  Widen4<T, Cache>::run(v, x[2 * e], x[2 * e + 1]);
-                }
-                const unsigned o = at + h * 512u + (st0 ^ (h << 6));
-                sts128(o, x[0], x[1], x[2], x[3]);
-                sts128(o ^ 16u, x[4], x[5], x[6], x[7]);  // (chunk k0 + 1: k0 even)
-              }
-            }
-          };
-          unsigned it = 0;  // K/V tiles widened, over all items (the copiers' count)
-          for (unsigned n = 0;; ++n) {
-            const int buf = n & 1;
-            if (n > 0) mbar_arrive(info_empty(buf ^ 1));  // item n - 1's WsItem is read (as the copiers)
-            mbar_wait(info_full(buf), (n >> 1) & 1);
-            const int ntiles = sItem[buf].ntiles;
-            if (ntiles < 0) break;
-            const int2 cl = sItem[buf].clean;
-            for (int kt = 0; kt < ntiles; ++kt, ++it) {
-              const int st = it % NST;
-              const unsigned ph = (it / NST) & 1, tile = stages_a + (unsigned)st * L::stage_bytes;
-              mbar_wait(k_land(st), ph);
-              widen_tile(tile, false);
-              fence_proxy_async_shared();
-              mbar_arrive(k_full(st));
-              mbar_wait(v_land(st), ph);
-              widen_tile(tile + L::tile_bytes, (unsigned)(kt - cl.x) >= (unsigned)(cl.y - cl.x));
-              fence_proxy_async_shared();
-              mbar_arrive(v_full(st));
-            }
-          }
-          return;
-        }
-      }
-      // ---------------------------------------------------------------- scheduler warps
-      // Thread i: rows i, i + ST, .. of each item (ST = 128: row i; 64 for 8-bit caches).
+      const int sw = warp - CPT / 32, stid = tid - CPT;
+      // ---------------------------------------------------------------- scheduler warpgroup
+      // Thread i: row i of each item.
       const long long kv_capacity = (long long)max_blocks * block_size;
       unsigned n = 0;  // items published
       // After publishing item n + 1, the scheduler cleans item n's V tiles with keys to clean (V rows of
@@ -445,7 +384,6 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     } else {
       // ------------------------------------------------------------------ copier warps
       setmaxnreg_dec<Cfg::COPIER_REGS>();
-      const int lane = role_lane();
       // Copier warp cw fills keys 32cw..32cw+31 of each tile; lane l finds the row of key 32cw + l (one
       // tile ahead). Where each box of `box` consecutive keys (tma_box of a block, or all 32 new
       // tokens) is either wholly mapped -- consecutive rows -- or wholly masked, the warp's rows come
@@ -473,7 +411,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       // ((c % 8) ^ ((2i + h) % 8)) 16 for i % 4 = j is swz0 ^ 32 j (2j + h < 8, h one bit): one register.
       const unsigned swz0 = (unsigned)(((c & 7) ^ h) << 4);
       // 8-bit codes: rows of 128 bytes into slab 1, each round 4 keys (lane (q4, c8): key 4i + q4 of the
-      // warp's 32, chunk c8, at KEYS 128 + row 128 + ((c8 ^ (row % 8)) 16)).
+      // warp's 32, chunk c8, at ws_code_chunk).
       const int q4 = lane >> 3, c8 = lane & 7;
       unsigned it = 0;  // K/V tiles issued, over all items
       for (unsigned n = 0;; ++n) {
@@ -519,11 +457,10 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
           int (*const rows)[KC / 2] = sRows[cw];
           auto copy_tile = [&](unsigned dst, const unsigned char* src) {
             if constexpr (QUANT) {
-              dst += KEYS * 128 + (unsigned)(cw * KC) * 128;
 #pragma unroll
               for (int i = 0; i < KC / 4; ++i) {
                 const int key = 4 * i + q4, r = rows[key & 1][key >> 1];
-                cp_async_16_or_zero(dst + (unsigned)(key * 128 + ((c8 ^ (key & 7)) << 4)),
+                cp_async_16_or_zero(dst + ws_code_chunk<KEYS>(cw * KC + key, c8),
                                     src + (long long)max(r, 0) * row_stride_bytes, r >= 0);
               }
               return;
@@ -535,6 +472,31 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
 #pragma unroll
             for (int i = 0; i < KC / 2; ++i)
               cp_async_16_or_zero(dst + i * 256 + (swz0 ^ (unsigned)((i & 3) << 5)), src + (long long)max(r[i], 0) * row_stride_bytes, r[i] >= 0);
+          };
+          // 8-bit codes: the warp's 32 rows of a tile (at `tile`), widened in place, 4 rows a step
+          // (ws_widen_row, ws_widen_step; prefill_ws_plan.cuh): lane (q4, c8) reads code chunk c8 of its row
+          // and writes it as two chunks of T, after every lane of the warp has read (__syncwarp: a row's
+          // codes and its slab-1 chunks share their bytes); `finite`: codes that decode to NaN become 0.
+          auto widen_rows = [&](unsigned tile, bool finite) {
+            if constexpr (QUANT) {
+              const int r0 = ws_widen_row(cw, KC, lane, 0);
+              const unsigned ld = ws_code_chunk<KEYS>(r0, c8), lo = ws_wide_chunk<KEYS>(r0, 2 * c8),
+                             hi = ws_wide_chunk<KEYS>(r0, 2 * c8 + 1);
+#pragma unroll 1
+              for (int j = 0; j < KC / 4; ++j) {
+                unsigned w[4], x[8];
+                lds128(tile + ws_widen_step(ld, j), w);
+                __syncwarp();
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  unsigned v = w[e];
+                  if constexpr (!Cache::always_finite) v = finite ? Cache::finite4(v) : v;
+                  Widen4<T, Cache>::run(v, x[2 * e], x[2 * e + 1]);
+                }
+                sts128(tile + ws_widen_step(lo, j), x[0], x[1], x[2], x[3]);
+                sts128(tile + ws_widen_step(hi, j), x[4], x[5], x[6], x[7]);
+              }
+            }
           };
           int next = row_of(0);
           for (int kt = 0; kt < ntiles; ++kt, ++it) {
@@ -574,17 +536,18 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             rows[lane & 1][lane >> 1] = row;
             __syncwarp();
             if (box > 0) {
-              if (lane == 0) load_boxes(dst, false, k_bar(st));
-              mbar_arrive2(k_bar(st));
+              if (lane == 0) load_boxes(dst, false, QUANT ? land(st, 0, cw) : k_full(st));
+              mbar_arrive2(QUANT ? land(st, 0, cw) : k_full(st));
             } else {
               copy_tile(dst, source(false));
-              mbar_arrive_on_cp_async(k_bar(st));
-              mbar_arrive(k_bar(st));
+              mbar_arrive_on_cp_async(QUANT ? land(st, 0, cw) : k_full(st));
+              mbar_arrive(QUANT ? land(st, 0, cw) : k_full(st));
             }
             if (it >= NST) mbar_wait(v_empty(st), parity);
-            // (a tile with keys to clean goes to the scheduler first)
-            const unsigned vbar = v_full(st) + (QUANT || (unsigned)(kt - s.clean.x) >= (unsigned)(s.clean.y - s.clean.x)
-                                                    ? v_land(0) - v_full(0) : 0u);
+            // A tile with keys to clean goes to the scheduler first (T caches; 8-bit codes are cleaned as they
+            // are widened, below).
+            const bool clean_v = (unsigned)(kt - s.clean.x) >= (unsigned)(s.clean.y - s.clean.x);
+            const unsigned vbar = QUANT ? land(st, 1, cw) : v_full(st) + (clean_v ? v_land(0) - v_full(0) : 0u);
             if (box > 0) {
               if (lane == 0) load_boxes(dst + L::tile_bytes, true, vbar);
               mbar_arrive2(vbar);
@@ -592,6 +555,18 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
               copy_tile(dst + L::tile_bytes, source(true));
               mbar_arrive_on_cp_async(vbar);
               mbar_arrive(vbar);
+            }
+            if constexpr (QUANT) {
+              // The warp's rows of the tile, once landed: widened in place, fenced for wgmma, published.
+              const unsigned ph = (it / NST) & 1;
+              mbar_wait(land(st, 0, cw), ph);
+              widen_rows(dst, false);
+              fence_proxy_async_shared();
+              mbar_arrive2(k_full(st));
+              mbar_wait(vbar, ph);
+              widen_rows(dst + L::tile_bytes, !Cache::always_finite && clean_v);
+              fence_proxy_async_shared();
+              mbar_arrive2(v_full(st));
             }
           }
         };
@@ -613,7 +588,6 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
 
   // -------------------------------------------------------------------- consumers
   setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-  const int lane = role_lane();
   const int cw = warp - PT / 32;  // consumer warp: rows 16cw..16cw+15 of an item
   const int u = cw >> 2;          // consumer warpgroup: rows 64u..64u+63
   const int r0 = lane >> 2;

@@ -91,3 +91,24 @@ CUPA_HOST_DEVICE void ws_mask_rows(float (&s)[KEYS / 2], const int* lo_row, cons
     }
   }
 }
+
+// ---- 8-bit codes widened in place (prefill_wgmma_ws.cu, the copiers' widen_rows) ----------------------
+// Byte offsets from a K or V tile of KEYS rows. Codes land in slab 1 (bytes KEYS 128 ..): row r's 128 codes
+// as one 128-byte row, chunk k (codes of channels 16k..16k+15) at k ^ (r % 8), the 128-byte swizzle TMA
+// writes and the copiers' cp.async gathers follow.
+template <int KEYS> CUPA_HOST_DEVICE unsigned ws_code_chunk(int r, int k) {
+  return (unsigned)(KEYS * 128 + r * 128 + ((k ^ (r & 7)) << 4));
+}
+// Widened, row r's 16-byte chunk h (channels 8h..8h+7 of T) sits where wgmma reads it (wg_off): slab h / 8,
+// chunk h % 8 at (h % 8) ^ (r % 8).
+template <int KEYS> CUPA_HOST_DEVICE unsigned ws_wide_chunk(int r, int h) {
+  return (unsigned)((h >> 3) * (KEYS * 128) + r * 128 + (((h & 7) ^ (r & 7)) << 4));
+}
+// Step j of copier warp cw (its rows cw * rows_per_warp ..), lane l: the row it widens (4 rows a step, 8 lanes
+// a row); it reads code chunk l % 8 of that row and writes wide chunks 2 (l % 8) and 2 (l % 8) + 1. A row's
+// codes and its slab-1 wide chunks share their bytes and one step of one warp, so a __syncwarp between the
+// step's reads and writes keeps every code read before it is overwritten.
+CUPA_HOST_DEVICE int ws_widen_row(int cw, int rows_per_warp, int lane, int j) { return cw * rows_per_warp + 4 * j + (lane >> 3); }
+// The offset of a lane's chunk at step j from the one at step 0 (rows_per_warp a multiple of 8, so row % 8 < 4
+// at step 0): 4 j rows on, with row % 8 flipped by 4 at odd steps (chunk bit 2, byte bit 6).
+CUPA_HOST_DEVICE unsigned ws_widen_step(unsigned at0, int j) { return (at0 + 512u * (unsigned)j) ^ ((unsigned)(j & 1) << 6); }

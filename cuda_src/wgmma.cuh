@@ -170,12 +170,6 @@ CUPA_DEVICE void mbar_wait(unsigned bar, unsigned parity) {
 // Named barriers 1..15 (0 is __syncthreads): `threads` arrivals complete one; bar_sync waits, bar_arrive does not.
 CUPA_DEVICE void bar_sync(int id, int threads) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
 CUPA_DEVICE void bar_arrive(int id, int threads) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
-// This thread's lane in its warp, read from %laneid (volatile: never merged with another read).
-CUPA_DEVICE int lane_id() {
-  unsigned l;
-  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(l));
-  return (int)l;
-}
 // Register reallocation between warpgroups (every warp of a warpgroup executes the same one).
 template <int N> CUPA_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N> CUPA_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }

@@ -78,7 +78,7 @@ def test_wgmma_prefill_not_for_other_head_sizes(rng, D):
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
 @pytest.mark.parametrize("quant", ["PER_TENSOR", "PER_CHANNEL"])
 def test_wgmma_prefill_for_8bit_caches(rng, monkeypatch, cache, quant):
-    """8-bit caches: served (their codes widened by the converter warps); while marked unverified, auto keeps
+    """8-bit caches: served (their codes widened in shared memory by the copier warps); while marked unverified, auto keeps
     them on the mma.sync prefill and explain() says why, and Options(backend="prefill_wgmma") runs them."""
     kw = dict(cache=cache, k_quant=quant, v_quant=quant)
     monkeypatch.setattr(prefill_wgmma.BACKEND, "unverified", frozenset({"cache8"}))
@@ -90,7 +90,7 @@ def test_wgmma_prefill_for_8bit_caches(rng, monkeypatch, cache, quant):
     assert "not yet verified on a GPU" in account(rng, options=named, **kw)
     monkeypatch.setattr(prefill_wgmma.BACKEND, "unverified", frozenset())
     assert chosen(rng, **kw) == "prefill_wgmma"
-    assert f"{cache} codes widened to float16 in shared memory by 2 converter warps" in account(rng, **kw)
+    assert f"{cache} codes widened to float16 in shared memory by the copier warps" in account(rng, **kw)
     spec = prefill_wgmma.BACKEND._spec(problem_of(rng, **kw), H200)
     assert spec in prefill_wgmma.BACKEND.specializations() and registry.types.cache(cache, "float16") in spec.name_expression
 
@@ -232,7 +232,7 @@ def test_pinned_cache_key_follows_options_and_source():
 
 def test_wgmma_kernel_compiles_for_sm_90a_without_spills():
     """NVRTC never serializes the wgmma pipeline (C7520 / C7512 / C7514), keeps setmaxnreg (no C7508
-    'ignored': 64 registers for the copier, 48 for the scheduler (and the converter warps of 8-bit caches),
+    'ignored': 64 registers for the copier, 48 for the scheduler,
     200 for the consumers) and spills nothing, for every cache kind."""
     try:
         jit.nvrtc_version()

@@ -131,3 +131,41 @@ def test_score_masks_keep_exactly_the_admitted_mapped_keys(host_plan):
             lo, hi = (lo0, hi0) if i == 0 else (lo1, hi1)
             want = lo <= kt0 + col < hi and (mw[col // 32] >> (col % 32)) & 1
             assert flags[k] == int(bool(want)), (rec, k)
+
+
+def _wg_off(r, c, rows=KEYS):
+    """wg_off<rows>(r, c) of cuda_src/wgmma.cuh: where wgmma reads element (r, c) of a 16-bit tile."""
+    return (c >> 6) * (rows * 128) + r * 128 + ((((c >> 3) & 7) ^ (r & 7)) << 4) + (c & 7) * 2
+
+
+def _code_at(r, k):
+    """Where TMA's 128-byte swizzle puts 16-byte chunk k of 128-byte row r of a box landing in slab 1 (1024-byte
+    aligned): chunk k ^ (r % 8) of the row."""
+    return KEYS * 128 + r * 128 + 16 * (k ^ (r % 8))
+
+
+def test_codes_are_widened_in_place_where_wgmma_reads_them(host_plan):
+    """8-bit codes (the copiers' widen_rows): each copier warp reads every code chunk of its 32 rows once, where
+    TMA and its own cp.async gathers put them, and writes the channels of each chunk to the two 16-byte chunks
+    wgmma reads them from; the slab-1 bytes a step writes are codes that step has read (same rows, one warp),
+    so no code is overwritten before it is read."""
+    out = host_plan("widen", np.zeros(0, np.int32)).reshape(4, 32, 8, 5)
+    read, wide, copied = set(), set(), set()
+    for cw in range(4):
+        for j in range(8):
+            step_read, step_wrote = set(), set()
+            for lane in range(32):
+                row, ld, lo, hi, dst = (int(x) for x in out[cw, lane, j])
+                c8 = lane % 8
+                assert row == cw * 32 + 4 * j + lane // 8
+                assert ld == _code_at(row, c8) and dst == _code_at(cw * 32 + 4 * j + lane // 8, c8)
+                assert (lo, hi) == (_wg_off(row, 16 * c8), _wg_off(row, 16 * c8 + 8))
+                step_read.add(ld)
+                step_wrote.update((lo, hi))
+                copied.add(dst)
+            assert not read & step_read and not wide & step_wrote
+            read |= step_read
+            wide |= step_wrote
+            assert {a for a in step_wrote if a >= KEYS * 128} <= step_read
+    assert read == copied == set(range(KEYS * 128, 2 * KEYS * 128, 16))
+    assert wide == set(range(0, 2 * KEYS * 128, 16))

@@ -15,7 +15,7 @@ goes to the mma.sync prefill backend):
 - the inputs' device has compute capability 9.0 (wgmma needs the arch-specific sm_90a target,
   compiled offline with NVRTC and loaded as a cubin: :func:`cupa.jit.get_kernel` on a pinned spec);
 - T is float16 or bfloat16, both caches hold T or both hold 8-bit codes of one kind (int8 or fp8,
-  widened in shared memory by two converter warps; packed 4-bit caches go to the mma.sync prefill), and
+  widened in shared memory by the copier warps; packed 4-bit caches go to the mma.sync prefill), and
   head_size is 128;
 - no LATENT layout, attention_bias or output_qk (as for the mma.sync prefill).
 """
@@ -119,7 +119,7 @@ class PrefillWgmmaBackend(PrefillBackend):
 
     name = "prefill_wgmma"
     serves = frozenset({"return_lse"})   # not the packed 4-bit caches or the bias PrefillBackend reads
-    #: int8 / fp8 caches: the converter warps' path (auto keeps those calls on the mma.sync prefill until
+    #: int8 / fp8 caches: the copiers' widening (auto keeps those calls on the mma.sync prefill until
     #: its GPU tests have passed)
     unverified = frozenset({"cache8"})
     # The persistent CTAs take their items in a fixed order, so the CTAs of SMs a prologue beside holds
@@ -166,8 +166,7 @@ class PrefillWgmmaBackend(PrefillBackend):
             feed.append(f"new rows from key/value by TMA in boxes of {WARP_KEYS}")
         feed = "; ".join(feed + ["otherwise block-table gathers with cp.async"])
         if problem.quantized:
-            feed += (f"; {problem.cache_kind} codes widened to {problem.dtype} in shared memory by 2 converter "
-                     "warps")
+            feed += f"; {problem.cache_kind} codes widened to {problem.dtype} in shared memory by the copier warps"
         per_seq = (f"(at most {plan['tiles_per_seq']} a sequence: attention_metadata's max_query_len_bound) "
                    if plan["tiles_per_seq"] else "")
         return (f"paged prefill on Hopper warpgroup MMA, warp-specialized (wgmma m64n128k16, sm_90a): "

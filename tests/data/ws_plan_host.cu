@@ -6,6 +6,10 @@
 //          land_parity at its start, chained as the scheduler chains them
 //   mask:  records (lo0, hi0, lo1, hi1, kt0, mw[0..3], lane) -> per record the 64 scores of that lane
 //          after ws_mask_rows<128> (1: kept, 0: masked), in the order of s
+//   widen: no input -> per copier warp cw < 4, lane < 32, step j < 8 (the order of the loops): the row the
+//          kernel's widen_rows handles, the offsets of its code chunk and of its two wide chunks (from step
+//          0's by ws_widen_step, as the kernel computes them), and the cp.async destination of the
+//          copier's code chunk of key 4 j + lane / 8 of the warp (ws_code_chunk)
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -56,6 +60,20 @@ int main(int argc, char** argv) {
       ws_mask_rows<KEYS>(s, lo_row, hi_row, 0, in[i + 4], mw, in[i + 9], -1.0f);
       for (float x : s) out.push_back(x == 1.0f ? 1 : 0);
     }
+  } else if (!strcmp(argv[1], "widen")) {
+    for (int cw = 0; cw < 4; ++cw)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int c8 = lane & 7, r0 = ws_widen_row(cw, 32, lane, 0);
+        const unsigned ld = ws_code_chunk<KEYS>(r0, c8), lo = ws_wide_chunk<KEYS>(r0, 2 * c8),
+                       hi = ws_wide_chunk<KEYS>(r0, 2 * c8 + 1);
+        for (int j = 0; j < 8; ++j) {
+          out.push_back(ws_widen_row(cw, 32, lane, j));
+          out.push_back((int)ws_widen_step(ld, j));
+          out.push_back((int)ws_widen_step(lo, j));
+          out.push_back((int)ws_widen_step(hi, j));
+          out.push_back((int)ws_code_chunk<KEYS>(cw * 32 + 4 * j + (lane >> 3), c8));
+        }
+      }
   } else {
     return 2;
   }

@@ -1,6 +1,6 @@
 """The Hopper wgmma prefill over caches of 8-bit codes (int8, fp8 e4m3) against the NumPy reference.
 
-The codes land in shared memory as they are and two converter warps widen them in place
+The codes land in shared memory as they are and each copier warp widens its own rows in place
 (cuda_src/prefill_wgmma_ws.cu); K's scale joins the score scale (per tensor) or Q's rows (per channel),
 V's scale the epilogue. Every case names the backend (``cupa.Options(backend="prefill_wgmma")``, with the
 K/V feed as chosen -- TMA where it applies -- and with cp.async only), asserts that it runs, and checks
@@ -118,7 +118,7 @@ def test_nan_codes_in_unread_rows(cp, rng, feed, cache, block_size):
 
 @pytest.mark.parametrize("cache", CACHES)
 def test_persistent_ctas_many_items(cp, rng, monkeypatch, cache):
-    """8 persistent CTAs over many items: the converter's count of tiles carries across items, including
+    """8 persistent CTAs over many items: the copiers' count of tiles (and of their widening barriers' phases) carries across items, including
     items without tiles (rows past each sequence's end)."""
     from cupa.options import _Tuning
 
