@@ -351,16 +351,22 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         if (any_keys) {
           const unsigned dq = q_a + buf * L::q_bytes;
           if (QUANT && k_quant == QUANT_PER_CHANNEL) {
+            // (a thread's chunks are all channels col..col + 7: ST is a multiple of D / 8)
+            static_assert(ST % (D / 8) == 0, "one column of chunks a thread");
+            const int col = (stid % (D / 8)) * 8;
+            float ks[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) ks[i] = __ldg(k_scale + g * D + col + i);
 #pragma unroll 2
             for (int c = stid; c < ROWS * (D / 8); c += ST) {
-              const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+              const int r = c / (D / 8);
               float v[8];
 #pragma unroll
               for (int i = 0; i < 8; ++i) v[i] = 0.0f;
               if (sHi[buf][r] > sLo[buf][r]) {
                 load8(q + ((long long)sTok[buf][r] * H + sHead[buf][r]) * D + col, v);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) v[i] *= __ldg(k_scale + g * D + col + i);
+                for (int i = 0; i < 8; ++i) v[i] *= ks[i];
               }
               sts128(dq + wg_off<ROWS>(r, col), Mma<T>::pack(v[0], v[1]), Mma<T>::pack(v[2], v[3]),
                      Mma<T>::pack(v[4], v[5]), Mma<T>::pack(v[6], v[7]));
