@@ -504,6 +504,18 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
               }
             }
           };
+          // The V tile still to widen (8-bit codes): bit 0 set, its stage in bit 1, its land parity in bit 2,
+          // bit 3: NaN codes become 0 (keys to clean).
+          unsigned pend = 0u;
+          auto widen_v = [&](unsigned pv) {
+            if (QUANT && (pv & 1u)) {
+              const int pst = (int)((pv >> 1) & 1u);
+              mbar_wait(land(pst, 1, cw), (pv >> 2) & 1u);
+              widen_rows(stages_a + (unsigned)pst * L::stage_bytes + L::tile_bytes, !Cache::always_finite && (pv & 8u));
+              fence_proxy_async_shared();
+              mbar_arrive2(v_full(pst));
+            }
+          };
           int next = row_of(0);
           for (int kt = 0; kt < ntiles; ++kt, ++it) {
             const int st = it % NST;
@@ -549,9 +561,20 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
               mbar_arrive_on_cp_async(QUANT ? land(st, 0, cw) : k_full(st));
               mbar_arrive(QUANT ? land(st, 0, cw) : k_full(st));
             }
+            if constexpr (QUANT) {
+              // 8-bit codes, each once landed: widened in place, fenced for wgmma, published. First V(kt - 1),
+              // which landed during the last tile's copies, while K(kt) is in flight, then K(kt) (both meet their
+              // products in turn kt - 1), all before the wait for V(kt)'s stage, which ends turn kt - 2; V of
+              // an item's last tile after its loop.
+              widen_v(pend);
+              mbar_wait(land(st, 0, cw), (it / NST) & 1);
+              widen_rows(dst, false);
+              fence_proxy_async_shared();
+              mbar_arrive2(k_full(st));
+            }
             if (it >= NST) mbar_wait(v_empty(st), parity);
             // A tile with keys to clean goes to the scheduler first (T caches; 8-bit codes are cleaned as they
-            // are widened, below).
+            // are widened).
             const bool clean_v = (unsigned)(kt - s.clean.x) >= (unsigned)(s.clean.y - s.clean.x);
             const unsigned vbar = QUANT ? land(st, 1, cw) : v_full(st) + (clean_v ? v_land(0) - v_full(0) : 0u);
             if (box > 0) {
@@ -562,19 +585,9 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
               mbar_arrive_on_cp_async(vbar);
               mbar_arrive(vbar);
             }
-            if constexpr (QUANT) {
-              // The warp's rows of the tile, once landed: widened in place, fenced for wgmma, published.
-              const unsigned ph = (it / NST) & 1;
-              mbar_wait(land(st, 0, cw), ph);
-              widen_rows(dst, false);
-              fence_proxy_async_shared();
-              mbar_arrive2(k_full(st));
-              mbar_wait(vbar, ph);
-              widen_rows(dst + L::tile_bytes, !Cache::always_finite && clean_v);
-              fence_proxy_async_shared();
-              mbar_arrive2(v_full(st));
-            }
+            if constexpr (QUANT) pend = 1u | (unsigned)st << 1 | ((it / NST) & 1u) << 2 | (clean_v ? 8u : 0u);
           }
+          widen_v(pend);
         };
         if (item.from_inputs ? tma_inputs : tma_box > 0) {
           tiles(item, item, true);
