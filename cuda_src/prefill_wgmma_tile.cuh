@@ -95,26 +95,12 @@ CUPA_DEVICE void wg_softmax_tile(float (&s)[KEYS / 2], float (&o)[D / 2], unsign
   }
 }
 
-// Eight values of T (16 bytes) times eight float scales, rounded to T again.
-template <typename T> CUPA_DEVICE uint4 scale8(uint4 x, float4 s0, float4 s1) {
-  const unsigned* w = reinterpret_cast<const unsigned*>(&x);
-  const float s[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
-  uint4 r;
-  unsigned* rw = reinterpret_cast<unsigned*>(&r);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const T* p = reinterpret_cast<const T*>(&w[i]);
-    rw[i] = Mma<T>::pack(Act<T>::to_float(p[0]) * s[2 * i], Act<T>::to_float(p[1]) * s[2 * i + 1]);
-  }
-  return r;
-}
-
 // Epilogue of one warp's 16 rows (row0 = 16 warp + lane / 4 and row0 + 8 for this thread): finalize
 // them into their rows of the [ROWS][128] swizzled tile sO (as T; the caller has made sure no wgmma
 // still reads those rows), then store the warp's whole rows of owned tokens (tok_row >= 0) to out, and
 // their log-sum-exp to lse when it is asked for (non-null). VSCALE (8-bit caches): V's scale, v_all for
-// every channel (in the rows' factor), or v_channel[d] per channel (non-null: applied to the rows as T on
-// their way out, which keeps the accumulators' registers free of the scales).
+// every channel (in the rows' factor), or v_channel[d] per channel (non-null), applied in float before the
+// one rounding to T.
 template <typename T, int ROWS, int D, bool VSCALE = false>
 CUPA_DEVICE void wg_store_rows(const float (&o)[D / 2], const float (&row_max)[2], float (&row_sum)[2], int warp_row,
                                int lane, unsigned char* sO, const int* lo_row, const int* hi_row, const int* head_row,
@@ -139,7 +125,13 @@ CUPA_DEVICE void wg_store_rows(const float (&o)[D / 2], const float (&row_max)[2
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       const int d = n * 8 + (lane & 3) * 2;
-      const float x0 = live ? o[4 * n + 2 * hf] * factor : 0.0f, x1 = live ? o[4 * n + 2 * hf + 1] * factor : 0.0f;
+      float x0 = live ? o[4 * n + 2 * hf] * factor : 0.0f, x1 = live ? o[4 * n + 2 * hf + 1] * factor : 0.0f;
+      if constexpr (VSCALE) {
+        if (v_channel != nullptr) {  // (scalar loads: a scale tensor need not be 16-byte aligned)
+          x0 *= __ldg(v_channel + d);
+          x1 *= __ldg(v_channel + d + 1);
+        }
+      }
       *reinterpret_cast<unsigned*>(sO + wg_off<ROWS>(row, d)) = Mma<T>::pack(x0, x1);
     }
   }
@@ -157,14 +149,7 @@ CUPA_DEVICE void wg_store_rows(const float (&o)[D / 2], const float (&row_max)[2
     const int r = warp_row + c / (D / 8), col = (c % (D / 8)) * 8;
     const int tok = tok_row[r];
     if (tok < 0) continue;
-    uint4 x = *reinterpret_cast<const uint4*>(sO + wg_off<ROWS>(r, col));
-    if constexpr (VSCALE) {
-      if (v_channel != nullptr) {
-        const float4 s0 = __ldg(reinterpret_cast<const float4*>(v_channel + col));
-        const float4 s1 = __ldg(reinterpret_cast<const float4*>(v_channel + col + 4));
-        x = scale8<T>(x, s0, s1);
-      }
-    }
-    *reinterpret_cast<uint4*>(out + ((long long)tok * H + head_row[r]) * D + col) = x;
+    *reinterpret_cast<uint4*>(out + ((long long)tok * H + head_row[r]) * D + col) =
+        *reinterpret_cast<const uint4*>(sO + wg_off<ROWS>(r, col));
   }
 }

@@ -27,8 +27,8 @@
 //   scheduler (warps 4-7, 48 registers): for each item, finds its sequence and the admitted key range
 //     of each of its 128 rows (thread r: row r), publishes them (WsItem for the copiers; the row data
 //     and the Q rows, cp.async into one of two Q buffers, for the consumers) as soon as the consumers
-//     give the buffer back, so the next item is ready before the current one ends; then cleans the V
-//     tiles of the current item that hold keys some live row does not admit (clean_item).
+//     give the buffer back, so the next item is ready before the current one ends; then (T caches)
+//     cleans the V tiles of the current item that hold keys some live row does not admit (clean_item).
 //   two consumers (warps 8-11 and 12-15, 200 registers): warpgroup u owns rows 64u..64u+63 of the
 //     item. Per key tile: S = Q K^T on wgmma.m64n128k16 (Q and K from shared memory), online
 //     softmax in registers, O += P V on wgmma.m64n128k16 (P from registers, V MN-major). Tile kt+1's
@@ -124,9 +124,10 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
     int block_size, int max_blocks, int zero_ctas, int num_tiles, int rotary_max_pos, float scale,
     float softcap, int window, int is_causal, int k_quant, int v_quant,
     // TMA: tensor maps of key_cache / value_cache as (D, Hk, slots) and of key / value as (D, Hk, tokens),
-    // boxes of 64 x 1 x tma_box rows (cache) or 64 x 1 x 32 (inputs), 128B swizzle. tma_box: 0 (cache rows
-    // by cp.async only) or 8, 16, 32 dividing block_size (box destinations, box-aligned 128-byte rows,
-    // then stay 1024-byte aligned as the swizzle needs); tma_inputs 0: key / value rows by cp.async only.
+    // boxes of 64 x 1 x tma_box rows (cache; 8-bit codes: 128 x 1 x tma_box) or 64 x 1 x 32 (inputs), 128B
+    // swizzle. tma_box: 0 (cache rows by cp.async only) or 8, 16, 32 dividing block_size (box destinations,
+    // box-aligned 128-byte rows, then stay 1024-byte aligned as the swizzle needs); tma_inputs 0: key /
+    // value rows by cp.async only.
     const __grid_constant__ TmaMap tm_kc, const __grid_constant__ TmaMap tm_vc, const __grid_constant__ TmaMap tm_k,
     const __grid_constant__ TmaMap tm_v, int tma_box, int tma_inputs,
     // row tiles: num_tiles in the numbering of paged_prefill (0), or at most tiles_per_seq a sequence
