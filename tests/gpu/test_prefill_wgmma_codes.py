@@ -152,3 +152,25 @@ def test_graph_capture_and_bits(cp, rng, cache, monkeypatch):
         dev = util.to_device(cp, inputs)
         runs.append(cp.asnumpy(cupa.paged_attention(**dev, **attrs)))
     assert runs[0].tobytes() == runs[1].tobytes()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_scales_four_bytes_off_alignment(cp, rng, feed, cache):
+    """Per-channel scales in views that start 4 bytes past an allocation (contiguous, not 16-byte aligned):
+    read element by element, within the reference's tolerance."""
+    inputs, attrs = util.build(rng, q_lens=[70, 33], past=[20, 0], H=8, Hk=2, D=128, cache=cache,
+                               k_quant="PER_CHANNEL", v_quant="PER_CHANNEL")
+    ref_in = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}
+    ref = cupa.paged_attention(**ref_in, **util.host_attrs(attrs))
+    dev = util.to_device(cp, inputs)
+    for name in ("k_scale", "v_scale"):
+        whole = cp.zeros(dev[name].size + 1, dtype=dev[name].dtype)
+        whole[1:] = dev[name].ravel()
+        dev[name] = whole[1:].reshape(dev[name].shape)
+        assert dev[name].data.ptr % 16 == 4
+    out = cp.full(ref.shape, np.nan, dtype=dev["query"].dtype)
+    cupa.paged_attention(**dev, out=out, **attrs)
+    cp.cuda.get_current_stream().synchronize()
+    util.assert_matches_reference(cp.asnumpy(out), ref, "float16",
+                                  [(n, cp.asnumpy(dev[n]), ref_in[n]) for n in ("key_cache", "value_cache")],
+                                  cache=cache)
