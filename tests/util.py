@@ -449,6 +449,16 @@ def poison_unused_cache_rows(inputs, block_size, window=-1):
     return int(unused.sum())
 
 
+def device_capability():
+    """The compute capability of device 0, or None without CuPy, a driver or a device."""
+    try:
+        from cupa.device import device_info
+
+        return device_info(0).capability
+    except Exception:  # no cupy, no driver, no device
+        return None
+
+
 def to_device(cp, inputs):
     """``inputs`` with every array moved by ``cp.asarray`` (metadata and None stay)."""
     return {k: (cp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in inputs.items()}

@@ -16,18 +16,9 @@ from cupa.options import _Tuning
 from tests import util
 
 
-def _capability():
-    try:
-        from cupa.device import device_info
-
-        return device_info(0).capability
-    except Exception:  # no cupy, no driver, no device
-        return None
-
-
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_capability() not in (None, (9, 0)),
+    pytest.mark.skipif(util.device_capability() not in (None, (9, 0)),
                        reason="the wgmma prefill needs compute capability 9.0 (sm_90a)"),
 ]
 
