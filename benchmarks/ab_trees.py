@@ -68,10 +68,11 @@ GENERAL_CASES = {
 #: The same form: prefill over caches of 8-bit codes on the mma.sync and the wgmma prefill (B=4 x 2048 causal,
 #: GQA 32/8, D=128, block 16)
 CODE_CASES = {
-    f"prefill B=4 q=2048 {cache} {quant.lower().replace('_', ' ')}{' bf16' if dtype == 'bfloat16' else ''} ({backend})": (
-        "prefill", (4, 2048), dict(cache=cache, quant=quant, dtype=dtype), {}, None, backend)
-    for cache, quant, dtype in (("fp8", "PER_TENSOR", "float16"), ("fp8", "PER_CHANNEL", "float16"),
-                                ("int8", "PER_CHANNEL", "float16"), ("fp8", "PER_TENSOR", "bfloat16"))
+    f"prefill B=4 q=2048 {label} ({backend})": ("prefill", (4, 2048), kw, {}, None, backend)
+    for label, kw in (("fp8 per tensor", dict(cache="fp8", quant="PER_TENSOR")),
+                      ("fp8 per channel", dict(cache="fp8", quant="PER_CHANNEL")),
+                      ("int8 per channel", dict(cache="int8", quant="PER_CHANNEL")),
+                      ("fp8 per tensor bf16", dict(cache="fp8", quant="PER_TENSOR", dtype="bfloat16")))
     for backend in ("prefill", "prefill_wgmma")
 }
 

@@ -1,13 +1,13 @@
-// Paged prefill on Hopper, warp-specialized and persistent (sm_90a only): fp16/bf16 T, caches of T or
-// of 8-bit codes (int8, fp8 e4m3: both caches one kind), head_size 128. The contract, row tiles (ROWS = 128 (new token, query head) rows of one sequence
-// and one KV head, token-major), tile numbering over a ragged batch, zero pass and contract §4.4 rules of
-// paged_prefill (prefill.cu, prefill_tiles.cuh), with both products on wgmma. Reads: Q (the
-// prologue's workspace or `query`), the caches through the block table (or new K/V from key /
-// value: NewKeys), cum / past_seqlens / query_positions, head_sink, the scales of 8-bit caches. Writes: `out`, and `lse` when
-// asked for (non-null: each row's log-sum-exp in the epilogue, -inf for unowned tokens in the zero
-// pass; no other pass over the keys). Host values that size the launch: token_count, batch_size,
-// head counts (num_tiles, tiles_per_seq, zero_ctas) and the CTA count (at most one per SM); none enters a
-// mask.
+// Paged prefill on Hopper, warp-specialized and persistent (sm_90a only): fp16/bf16 T, caches of T or of
+// 8-bit codes (int8, fp8 e4m3: both caches one kind), head_size 128. The contract, row tiles (ROWS = 128
+// (new token, query head) rows of one sequence and one KV head, token-major), tile numbering over a ragged
+// batch, zero pass and contract §4.4 rules of paged_prefill (prefill.cu, prefill_tiles.cuh), with both
+// products on wgmma. Reads: Q (the prologue's workspace or `query`), the caches through the block table (or
+// new K/V from key / value: NewKeys), cum / past_seqlens / query_positions, head_sink, the scales of 8-bit
+// caches. Writes: `out`, and `lse` when asked for (non-null: each row's log-sum-exp in the epilogue, -inf
+// for unowned tokens in the zero pass; no other pass over the keys). Host values that size the launch:
+// token_count, batch_size, head counts (num_tiles, tiles_per_seq, zero_ctas) and the CTA count (at most one
+// per SM); none enters a mask.
 //
 // One CTA per SM (512 threads, ~200 KB of shared memory) loops over the work items (row tile x, KV
 // head g; numbered heaviest first as the one-CTA-per-item kernels number their CTAs), round r taking
@@ -546,7 +546,8 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
                 const int first = rows[0][j >> 1];
                 const unsigned to = tile + (unsigned)(cw * KC + j) * 128u;
                 if (!QUANT) tma_load_3d(to, map, 0, g, first >= 0 ? first : past_end, bar);
-                tma_load_3d(to + KEYS * 128, map, QUANT ? 0 : 64, g, first >= 0 ? first : past_end, bar);  // (codes: slab 1)
+                // (8-bit codes: one box of 128 into slab 1)
+                tma_load_3d(to + KEYS * 128, map, QUANT ? 0 : 64, g, first >= 0 ? first : past_end, bar);
               }
             };
             if (it >= NST) mbar_wait(k_empty(st), parity);

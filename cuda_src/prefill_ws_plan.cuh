@@ -108,7 +108,11 @@ template <int KEYS> CUPA_HOST_DEVICE unsigned ws_wide_chunk(int r, int h) {
 // a row); it reads code chunk l % 8 of that row and writes wide chunks 2 (l % 8) and 2 (l % 8) + 1. A row's
 // codes and its slab-1 wide chunks share their bytes and one step of one warp, so a __syncwarp between the
 // step's reads and writes keeps every code read before it is overwritten.
-CUPA_HOST_DEVICE int ws_widen_row(int cw, int rows_per_warp, int lane, int j) { return cw * rows_per_warp + 4 * j + (lane >> 3); }
+CUPA_HOST_DEVICE int ws_widen_row(int cw, int rows_per_warp, int lane, int j) {
+  return cw * rows_per_warp + 4 * j + (lane >> 3);
+}
 // The offset of a lane's chunk at step j from the one at step 0 (rows_per_warp a multiple of 8, so row % 8 < 4
 // at step 0): 4 j rows on, with row % 8 flipped by 4 at odd steps (chunk bit 2, byte bit 6).
-CUPA_HOST_DEVICE unsigned ws_widen_step(unsigned at0, int j) { return (at0 + 512u * (unsigned)j) ^ ((unsigned)(j & 1) << 6); }
+CUPA_HOST_DEVICE unsigned ws_widen_step(unsigned at0, int j) {
+  return (at0 + 512u * (unsigned)j) ^ ((unsigned)(j & 1) << 6);
+}

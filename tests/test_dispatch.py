@@ -78,8 +78,9 @@ def test_wgmma_prefill_not_for_other_head_sizes(rng, D):
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
 @pytest.mark.parametrize("quant", ["PER_TENSOR", "PER_CHANNEL"])
 def test_wgmma_prefill_for_8bit_caches(rng, monkeypatch, cache, quant):
-    """8-bit caches: served (their codes widened in shared memory by the copier warps); while marked unverified, auto keeps
-    them on the mma.sync prefill and explain() says why, and Options(backend="prefill_wgmma") runs them."""
+    """8-bit caches: served (their codes widened in shared memory by the copier warps); while marked
+    unverified, auto keeps them on the mma.sync prefill and explain() says why, and
+    Options(backend="prefill_wgmma") runs them."""
     kw = dict(cache=cache, k_quant=quant, v_quant=quant)
     monkeypatch.setattr(prefill_wgmma.BACKEND, "unverified", frozenset({"cache8"}))
     assert chosen(rng, **kw) == "prefill"
@@ -92,7 +93,8 @@ def test_wgmma_prefill_for_8bit_caches(rng, monkeypatch, cache, quant):
     assert chosen(rng, **kw) == "prefill_wgmma"
     assert f"{cache} codes widened to float16 in shared memory by the copier warps" in account(rng, **kw)
     spec = prefill_wgmma.BACKEND._spec(problem_of(rng, **kw), H200)
-    assert spec in prefill_wgmma.BACKEND.specializations() and registry.types.cache(cache, "float16") in spec.name_expression
+    assert spec in prefill_wgmma.BACKEND.specializations()
+    assert registry.types.cache(cache, "float16") in spec.name_expression
 
 
 @pytest.mark.parametrize("cache,v_cache", [("int4", None), ("fp4", None), ("int4", "fp4")])

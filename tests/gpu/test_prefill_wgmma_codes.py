@@ -109,8 +109,8 @@ def test_nan_codes_in_unread_rows(cp, rng, feed, cache, block_size):
 
 @pytest.mark.parametrize("cache", CACHES)
 def test_persistent_ctas_many_items(cp, rng, monkeypatch, cache):
-    """8 persistent CTAs over many items: the copiers' count of tiles (and of their widening barriers' phases) carries across items, including
-    items without tiles (rows past each sequence's end)."""
+    """8 persistent CTAs over many items: the copiers' count of tiles (and of their widening barriers'
+    phases) carries across items, including items without tiles (rows past each sequence's end)."""
     from cupa.options import _Tuning
 
     monkeypatch.setattr(util, "OPTIONS", cupa.Options(backend="prefill_wgmma", _tuning=_Tuning(prefill_ws_ctas=8)))
