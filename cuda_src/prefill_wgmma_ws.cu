@@ -42,8 +42,8 @@
 // never reaches its output: masked scores are selected to -inf, V rows that meet P = 0 in a tile are
 // cleaned of Inf / NaN before the product (by the scheduler, between v_land and v_full: clean_item; for
 // 8-bit codes by the copiers as they widen), and rows without admitted keys write zeros. Scales of 8-bit
-// caches: K's per tensor in the score scale, per channel in Q's rows (the scheduler loads them through
-// registers), V's in the epilogue.
+// caches: K's per tensor in the score scale, per channel in Q's rows (the scheduler scales them in shared
+// memory once they land), V's in the epilogue.
 // Ordering: TMA writes complete the full barriers' tx bytes (expect_tx by the issuing lane first);
 // q_full, k_full and v_full count two arrivals a thread: a thread that copied with cp.async arrives
 // once when its copies land (cp.async.mbarrier.arrive.noinc) and once itself, any other thread twice
@@ -348,39 +348,39 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
           mbar_arrive(info_full(buf));  // the copiers may start on the item's keys
         }
         // Q rows, as they are (rows without admitted keys zero-filled); none when no key tile follows.
-        // With a per-channel K scale (8-bit caches) the scale is folded in through registers.
+        // With a per-channel K scale (8-bit caches) the scale is folded in once they have landed.
         if (any_keys) {
           const unsigned dq = q_a + buf * L::q_bytes;
+#pragma unroll 1
+          for (int c = stid; c < ROWS * (D / 8); c += ST) {
+            const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+            const bool live = sHi[buf][r] > sLo[buf][r];
+            const T* src = live ? q + ((long long)sTok[buf][r] * H + sHead[buf][r]) * D + col : q;
+            cp_async_16_or_zero(dq + wg_off<ROWS>(r, col), src, live);
+          }
           if (QUANT && k_quant == QUANT_PER_CHANNEL) {
-            // (a thread's chunks are all channels col..col + 7: ST is a multiple of D / 8)
+            // Once the thread's chunks have landed (all of channels col..col + 7: ST is a multiple of D / 8),
+            // each is multiplied by the scales in float and rounded to T once, in place.
             static_assert(ST % (D / 8) == 0, "one column of chunks a thread");
             const int col = (stid % (D / 8)) * 8;
             float ks[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) ks[i] = __ldg(k_scale + g * D + col + i);
+            cp_async_wait<0>();
 #pragma unroll 2
             for (int c = stid; c < ROWS * (D / 8); c += ST) {
-              const int r = c / (D / 8);
-              float v[8];
+              const unsigned at = dq + wg_off<ROWS>(c / (D / 8), col);
+              unsigned w[4];
+              lds128(at, w);
+              unsigned x[4];
 #pragma unroll
-              for (int i = 0; i < 8; ++i) v[i] = 0.0f;
-              if (sHi[buf][r] > sLo[buf][r]) {
-                load8(q + ((long long)sTok[buf][r] * H + sHead[buf][r]) * D + col, v);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) v[i] *= ks[i];
+              for (int e = 0; e < 4; ++e) {
+                const T* h = reinterpret_cast<const T*>(&w[e]);
+                x[e] = Mma<T>::pack(Act<T>::to_float(h[0]) * ks[2 * e], Act<T>::to_float(h[1]) * ks[2 * e + 1]);
               }
-              sts128(dq + wg_off<ROWS>(r, col), Mma<T>::pack(v[0], v[1]), Mma<T>::pack(v[2], v[3]),
-                     Mma<T>::pack(v[4], v[5]), Mma<T>::pack(v[6], v[7]));
+              sts128(at, x[0], x[1], x[2], x[3]);
             }
             fence_proxy_async_shared();  // (these writes before wgmma's reads)
-          } else {
-#pragma unroll 1
-            for (int c = stid; c < ROWS * (D / 8); c += ST) {
-              const int r = c / (D / 8), col = (c % (D / 8)) * 8;
-              const bool live = sHi[buf][r] > sLo[buf][r];
-              const T* src = live ? q + ((long long)sTok[buf][r] * H + sHead[buf][r]) * D + col : q;
-              cp_async_16_or_zero(dq + wg_off<ROWS>(r, col), src, live);
-            }
           }
         }
         mbar_arrive_on_cp_async(q_full(buf));  // when the thread's Q rows land
