@@ -218,9 +218,9 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   if (warp < PT / 32) {
     if (warp >= CPT / 32) {
       setmaxnreg_dec<Cfg::SCHEDULER_REGS>();
-      const int sw = warp - CPT / 32, stid = tid - CPT;
       // ---------------------------------------------------------------- scheduler warpgroup
       // Thread i: row i of each item.
+      const int sw = warp - CPT / 32, stid = tid - CPT;
       const long long kv_capacity = (long long)max_blocks * block_size;
       unsigned n = 0;  // items published
       // After publishing item n + 1, the scheduler cleans item n's V tiles with keys to clean (V rows of
