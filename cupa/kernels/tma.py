@@ -32,8 +32,7 @@ _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0       # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
 
 MAP_BYTES = 128
-#: Columns per box of 16-bit elements: 64 = the 128-byte swizzle span (128 of 8-bit codes).
-BOX_COLUMNS = 64
+#: Bytes of a box's rows: the 128-byte swizzle span (64 16-bit elements, or 128 8-bit codes).
 SWIZZLE_BYTES = 128
 #: Largest box extent along any dimension (cuTensorMapEncodeTiled).
 MAX_BOX = 256
