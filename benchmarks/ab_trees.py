@@ -37,6 +37,9 @@ CASES = {
     "chunked B=8 past=8192 q=512 bs=16 (prefill_wgmma)": (8, 512, 8192, 16, "prefill_wgmma"),
     "prefill B=4 q=2048 bs=256 (prefill)": (4, 2048, 0, 256, "prefill"),
     "chunked B=8 past=8192 q=512 bs=16 (prefill)": (8, 512, 8192, 16, "prefill"),
+    # the wgmma prefill with the copiers' clean of V tiles (Options._tuning.prefill_ws_copier_clean)
+    "prefill B=4 q=2048 bs=256 (prefill_wgmma, copier clean)": (4, 2048, 0, 256, "prefill_wgmma+copier_clean"),
+    "chunked B=8 past=8192 q=512 bs=16 (prefill_wgmma, copier clean)": (8, 512, 8192, 16, "prefill_wgmma+copier_clean"),
 }
 
 #: name -> keyword arguments of the tree's cupa.bench.cases.decode(64, 4096, ...): quantized decode
@@ -84,6 +87,16 @@ def _timing():
     return module
 
 
+def _options(cupa, backend: str):
+    """``cupa.Options`` of a CASES backend: a name, or ``name+copier_clean`` (the tuning field of that name)."""
+    name, _, tuning = backend.partition("+")
+    if not tuning:
+        return cupa.Options(backend=name)
+    from cupa.options import _Tuning
+
+    return cupa.Options(backend=name, _tuning=_Tuning(**{f"prefill_ws_{tuning}": True}))
+
+
 def build(cp, B, q, past, bs, H=32, Hk=8, D=128, seed=0):
     rng = np.random.default_rng(seed)
     total = q + past
@@ -116,8 +129,14 @@ def main(argv=None) -> int:
     for name, (B, q, past, bs, backend) in CASES.items():
         if args.cases not in name:
             continue
+        try:
+            options = _options(cupa, backend)
+        except (TypeError, cupa.PagedAttentionError) as exc:  # an older tree without the tuning field
+            result["cases"][name] = {"status": "not served", "reason": str(exc)}
+            print(f"{args.label}: {name}: not served", flush=True)
+            continue
         inputs = build(cp, B, q, past, bs)
-        op = cupa.PagedAttention(num_heads=32, kv_num_heads=8, options=cupa.Options(backend=backend))
+        op = cupa.PagedAttention(num_heads=32, kv_num_heads=8, options=options)
         first = op(**inputs)
         cp.cuda.Device().synchronize()
 

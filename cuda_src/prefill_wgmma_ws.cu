@@ -112,7 +112,10 @@ struct WsItem {
 // Named barriers (0 is __syncthreads): the consumers' turns, each consumer warpgroup's own, the scheduler's.
 constexpr int WS_BAR_TURN = 1, WS_BAR_WG = 3, WS_BAR_SCHEDULER = 5;
 
-template <typename T, typename Cache, int D>
+// COPIER_CLEAN (T caches; Options._tuning.prefill_ws_copier_clean): V tiles with keys to clean are cleaned by
+// the copier warps, each its own rows once they land (as it widens 8-bit codes), instead of by the scheduler;
+// setmaxnreg then gives the copier 72 registers and the scheduler 40.
+template <typename T, typename Cache, int D, bool COPIER_CLEAN = false>
 __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgmma_ws(
     const T* __restrict__ q,  // (N, H, D): prologue output, or `query` itself
     const T* __restrict__ key, const T* __restrict__ value,  // new K/V rows to read (NewKeys), or null
@@ -143,6 +146,8 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   static_assert(QUANT ? Cache::PACK == 1 && sizeof(typename Cache::storage) == 1 : sizeof(typename Cache::storage) == 2,
                 "T caches or 8-bit codes");
   constexpr int CB = sizeof(typename Cache::storage);  // bytes a cache element
+  constexpr bool CCLEAN = !QUANT && COPIER_CLEAN;       // T caches: the copiers clean V tiles
+  constexpr bool OWN_LAND = QUANT || CCLEAN;            // copier warps wait for their own rows (land)
   constexpr int ROWS = Cfg::ROWS, KEYS = Cfg::KEYS, NST = Cfg::STAGES, NQ = Cfg::QBUFS;
   constexpr int PT = Cfg::PRODUCER_THREADS, CT = Cfg::CONSUMER_THREADS;
   constexpr int CPT = Cfg::COPIER_THREADS, ST = Cfg::SCHEDULER_THREADS;
@@ -168,7 +173,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   __shared__ WsItem sItem[NQ];
   __shared__ unsigned sMapped[NST][KEYS / 32];  // per stage: mapped-key bit mask of its K/V tile
   __shared__ __align__(16) int sRows[Cfg::COPIER_THREADS / 32][2][16];  // per copier warp: rows of its keys (this tile)
-  __shared__ __align__(8) unsigned long long sBar[4 * NQ + 5 * NST + (QUANT ? 2 * NST * (CPT / 32) : 0)];
+  __shared__ __align__(8) unsigned long long sBar[4 * NQ + 5 * NST + (OWN_LAND ? 2 * NST * (CPT / 32) : 0)];
   const unsigned q_a = smem_addr(smem), stages_a = q_a + NQ * L::q_bytes;
   const unsigned bar_a = smem_addr(sBar);
   // mbarriers: q_full / q_empty / info_full / info_empty per Q buffer, k_full / v_full / k_empty / v_empty
@@ -190,6 +195,17 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
   auto land = [&](int s, int v, int w) { return bar_a + 8u * (4 * NQ + 5 * NST + (2 * s + v) * (CPT / 32) + w); };
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // (COPIER_CLEAN: the copiers read their lane from %laneid, so that no value lives across every role's
+  // registers; ptxas spilled tid % 32 there otherwise)
+  auto copier_lane = [&] {
+    if constexpr (CCLEAN) {
+      unsigned l;
+      asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(l));
+      return (int)l;
+    } else {
+      return lane;
+    }
+  };
   if (tid == 0) {
     for (int i = 0; i < NQ; ++i) {
       mbar_init(q_full(i), 2 * ST);  // two arrivals a thread (see Ordering)
@@ -201,7 +217,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
       mbar_init(k_full(s), 2 * CPT);
       mbar_init(v_full(s), 2 * CPT);
       mbar_init(v_land(s), 2 * CPT);
-      for (int w = 0; QUANT && w < CPT / 32; ++w) {
+      for (int w = 0; OWN_LAND && w < CPT / 32; ++w) {
         mbar_init(land(s, 0, w), 64);  // (two arrivals a lane)
         mbar_init(land(s, 1, w), 64);
       }
@@ -217,7 +233,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
 
   if (warp < PT / 32) {
     if (warp >= CPT / 32) {
-      setmaxnreg_dec<Cfg::SCHEDULER_REGS>();
+      setmaxnreg_dec<CCLEAN ? Cfg::SCHEDULER_REGS - 8 : Cfg::SCHEDULER_REGS>();
       // ---------------------------------------------------------------- scheduler warpgroup
       // Thread i: row i of each item.
       const int sw = warp - CPT / 32, stid = tid - CPT;
@@ -291,7 +307,7 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             mbar_arrive(info_full(buf));
           }
           mbar_arrive2(q_full(buf));
-          if (!QUANT && n > 0) {
+          if (!OWN_LAND && n > 0) {
             bar_sync(WS_BAR_SCHEDULER, ST);  // (stid 0's writes of that WsItem, before its last arrival)
             clean_item(buf ^ 1);
           }
@@ -385,12 +401,13 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
         }
         mbar_arrive_on_cp_async(q_full(buf));  // when the thread's Q rows land
         mbar_arrive(q_full(buf));  // also publishes sTok.. sHi and sItem (release)
-        if (!QUANT && n > 0) clean_item(buf ^ 1);  // item n - 1 (its WsItem stays until item n + 1 is published)
+        if (!OWN_LAND && n > 0) clean_item(buf ^ 1);  // item n - 1 (its WsItem stays until item n + 1 is published)
         ++n;
       }
     } else {
       // ------------------------------------------------------------------ copier warps
-      setmaxnreg_dec<Cfg::COPIER_REGS>();
+      setmaxnreg_dec<CCLEAN ? Cfg::COPIER_REGS + 8 : Cfg::COPIER_REGS>();
+      const int lane = copier_lane();
       // Copier warp cw fills keys 32cw..32cw+31 of each tile; lane l finds the row of key 32cw + l (one
       // tile ahead). Where each box of `box` consecutive keys (tma_box of a block, or all 32 new
       // tokens) is either wholly mapped -- consecutive rows -- or wholly masked, the warp's rows come
@@ -505,14 +522,38 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
               }
             }
           };
-          // The V tile still to widen (8-bit codes): bit 0 set, its stage in bit 1, its land parity in bit 2,
-          // bit 3: NaN codes become 0 (keys to clean).
+          // COPIER_CLEAN: Inf / NaN replaced by 0 in the warp's rows of V tile `tile` (keys kt0 ..) that some
+          // live row of the item does not admit (outside `in`; keys outside [kmin, khi) were zero-filled), at
+          // the places the copies put them (copy_tile's destinations).
+          auto clean_rows = [&](unsigned tile, int kt0, int2 in) {
+            if constexpr (CCLEAN) {
+              const int k0 = kt0 + cw * KC + h;  // key of row 2i + h of the warp: k0 + 2i
+#pragma unroll 1
+              for (int i = 0; i < KC / 2; ++i) {
+                const int k = k0 + 2 * i;
+                if (k >= in.x && k < in.y) continue;
+                const unsigned at = tile + copy_base + (unsigned)i * 256u + (swz0 ^ (unsigned)((i & 3) << 5));
+                unsigned w[4];
+                lds128(at, w);
+                const unsigned f0 = finite_or_zero2<T>(w[0]), f1 = finite_or_zero2<T>(w[1]),
+                               f2 = finite_or_zero2<T>(w[2]), f3 = finite_or_zero2<T>(w[3]);
+                if (f0 != w[0] || f1 != w[1] || f2 != w[2] || f3 != w[3]) sts128(at, f0, f1, f2, f3);
+              }
+            }
+          };
+          // The V tile still to widen (8-bit codes) or clean (COPIER_CLEAN): bit 0 set, its stage in bit 1, its
+          // land parity in bit 2, bit 3: NaN codes become 0 (8-bit codes, keys to clean), bits 4..: its kt.
           unsigned pend = 0u;
           auto widen_v = [&](unsigned pv) {
-            if (QUANT && (pv & 1u)) {
+            if (OWN_LAND && (pv & 1u)) {
               const int pst = (int)((pv >> 1) & 1u);
+              const unsigned vt = stages_a + (unsigned)pst * L::stage_bytes + L::tile_bytes;
               mbar_wait(land(pst, 1, cw), (pv >> 2) & 1u);
-              widen_rows(stages_a + (unsigned)pst * L::stage_bytes + L::tile_bytes, !Cache::always_finite && (pv & 8u));
+              if constexpr (QUANT) {
+                widen_rows(vt, !Cache::always_finite && (pv & 8u));
+              } else {
+                clean_rows(vt, f.klo + (int)(pv >> 4) * KEYS, s.all);
+              }
               fence_proxy_async_shared();
               mbar_arrive2(v_full(pst));
             }
@@ -563,12 +604,12 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
               mbar_arrive_on_cp_async(QUANT ? land(st, 0, cw) : k_full(st));
               mbar_arrive(QUANT ? land(st, 0, cw) : k_full(st));
             }
+            // 8-bit codes, each once landed: widened in place, fenced for wgmma, published. First V(kt - 1),
+            // which landed during the last tile's copies, while K(kt) is in flight, then K(kt) (both meet their
+            // products in turn kt - 1), all before the wait for V(kt)'s stage, which ends turn kt - 2; V of an
+            // item's last tile after its loop. (COPIER_CLEAN: V(kt - 1) cleaned there, when it has keys to clean.)
+            if constexpr (OWN_LAND) widen_v(pend);
             if constexpr (QUANT) {
-              // 8-bit codes, each once landed: widened in place, fenced for wgmma, published. First V(kt - 1),
-              // which landed during the last tile's copies, while K(kt) is in flight, then K(kt) (both meet their
-              // products in turn kt - 1), all before the wait for V(kt)'s stage, which ends turn kt - 2; V of
-              // an item's last tile after its loop.
-              widen_v(pend);
               mbar_wait(land(st, 0, cw), (it / NST) & 1);
               widen_rows(dst, false);
               fence_proxy_async_shared();
@@ -578,7 +619,8 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
             // A tile with keys to clean goes to the scheduler first (T caches; 8-bit codes are cleaned as they
             // are widened).
             const bool clean_v = (unsigned)(kt - s.clean.x) >= (unsigned)(s.clean.y - s.clean.x);
-            const unsigned vbar = QUANT ? land(st, 1, cw) : v_full(st) + (clean_v ? v_land(0) - v_full(0) : 0u);
+            const unsigned vbar = QUANT || (CCLEAN && clean_v) ? land(st, 1, cw)
+                                                                : v_full(st) + (clean_v ? v_land(0) - v_full(0) : 0u);
             if (box > 0) {
               if (lane == 0) load_boxes(dst + L::tile_bytes, true, vbar);
               mbar_arrive2(vbar);
@@ -588,6 +630,11 @@ __global__ void __launch_bounds__(WsPrefillConfig::THREADS, 1) paged_prefill_wgm
               mbar_arrive(vbar);
             }
             if constexpr (QUANT) pend = 1u | (unsigned)st << 1 | ((it / NST) & 1u) << 2 | (clean_v ? 8u : 0u);
+            if constexpr (CCLEAN) {
+              // (the parity of this tile's phase of land(st, 1): as the scheduler numbers v_land's phases)
+              const unsigned ph = ws_land_at(s.first_tile, kt, ntiles, s.clean, s.land_parity);
+              pend = clean_v ? 1u | (unsigned)st << 1 | ph << 2 | (unsigned)kt << 4 : 0u;
+            }
           }
           widen_v(pend);
         };

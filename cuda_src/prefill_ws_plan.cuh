@@ -92,6 +92,17 @@ CUPA_HOST_DEVICE void ws_mask_rows(float (&s)[KEYS / 2], const int* lo_row, cons
   }
 }
 
+// The parity of the phase an item's tile kt to clean waits for (on v_land, or with the copiers' clean on their
+// own land barriers): its stage's bit of land_parity, flipped by the item's earlier tiles to clean there.
+CUPA_HOST_DEVICE unsigned ws_land_at(unsigned first_tile, int kt, int ntiles, int2 clean, unsigned land_parity) {
+  const unsigned f = first_tile, k = (unsigned)kt, nt = (unsigned)ntiles;
+  const unsigned x = (unsigned)clean.x < nt ? (unsigned)clean.x : nt;
+  const unsigned y0 = (unsigned)ws_max(clean.x, clean.y), y = y0 > x ? y0 : x;
+  const unsigned bits =
+      land_parity ^ ws_stage_parity(f, f + (k < x ? k : x)) ^ (k > y ? ws_stage_parity(f + y, f + k) : 0u);
+  return (bits >> ((f + k) & 1u)) & 1u;
+}
+
 // ---- 8-bit codes widened in place (prefill_wgmma_ws.cu, the copiers' widen_rows) ----------------------
 // Byte offsets from a K or V tile of KEYS rows. Codes land in slab 1 (bytes KEYS 128 ..): row r's 128 codes
 // as one 128-byte row, chunk k (codes of channels 16k..16k+15) at k ^ (r % 8), the 128-byte swizzle TMA

@@ -62,6 +62,9 @@ class _Tuning:
         False: the portable mma.sync kernel there too (A/B runs).
     mla_waves : int, default 1
         Waves of resident CTAs (every SM full) the MLA split plan aims for.
+    prefill_ws_copier_clean : bool, default False
+        The wgmma prefill over T caches: V tiles with keys to clean cleaned by the copier warps (each its own
+        rows, once landed) instead of by the scheduler warpgroup (A/B runs).
     """
 
     decode_ctas_per_sm: int = 2
@@ -70,6 +73,7 @@ class _Tuning:
     prefill_ws_ctas: Optional[int] = None
     mla_wgmma: bool = True
     mla_waves: int = 1
+    prefill_ws_copier_clean: bool = False
 
     def __post_init__(self):
         _positive_int("_tuning.decode_ctas_per_sm", self.decode_ctas_per_sm)
@@ -78,6 +82,7 @@ class _Tuning:
         _positive_int("_tuning.prefill_ws_ctas", self.prefill_ws_ctas, allow_none=True)
         _flag("_tuning.mla_wgmma", self.mla_wgmma)
         _positive_int("_tuning.mla_waves", self.mla_waves)
+        _flag("_tuning.prefill_ws_copier_clean", self.prefill_ws_copier_clean)
 
 
 @dataclass(frozen=True)

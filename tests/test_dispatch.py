@@ -92,9 +92,25 @@ def test_wgmma_prefill_for_8bit_caches(rng, monkeypatch, cache, quant):
     monkeypatch.setattr(prefill_wgmma.BACKEND, "unverified", frozenset())
     assert chosen(rng, **kw) == "prefill_wgmma"
     assert f"{cache} codes widened to float16 in shared memory by the copier warps" in account(rng, **kw)
-    spec = prefill_wgmma.BACKEND._spec(problem_of(rng, **kw), H200)
+    spec = prefill_wgmma.BACKEND._spec(problem_of(rng, **kw), H200, DEFAULT)
     assert spec in prefill_wgmma.BACKEND.specializations()
     assert registry.types.cache(cache, "float16") in spec.name_expression
+
+
+def test_wgmma_prefill_copier_clean_variant(rng):
+    """Options._tuning.prefill_ws_copier_clean selects the instance whose copier warps clean V tiles (T caches;
+    8-bit caches are cleaned by the copiers in any case), and explain() says so."""
+    tuned = cupa.Options(_tuning=_Tuning(prefill_ws_copier_clean=True))
+    p = problem_of(rng)
+    spec = prefill_wgmma.BACKEND._spec(p, H200, tuned)
+    assert spec.name_expression.endswith(", 128, true>") and spec in prefill_wgmma.BACKEND.specializations()
+    assert prefill_wgmma.BACKEND._spec(p, H200, DEFAULT).name_expression.endswith(", 128>")
+    assert "cleaned by the copier warps" in account(rng, options=tuned)
+    assert "cleaned by the copier warps" not in account(rng)
+    codes = problem_of(rng, cache="fp8")
+    assert prefill_wgmma.BACKEND._spec(codes, H200, tuned) == prefill_wgmma.BACKEND._spec(codes, H200, DEFAULT)
+    with pytest.raises(cupa.PagedAttentionError, match="prefill_ws_copier_clean"):
+        _Tuning(prefill_ws_copier_clean=1)
 
 
 @pytest.mark.parametrize("cache,v_cache", [("int4", None), ("fp4", None), ("int4", "fp4")])
@@ -208,9 +224,9 @@ def test_wgmma_row_tiles_under_a_query_bound(rng):
 
 def test_pinned_specializations_and_compile_tasks():
     pinned = [s for s in registry.all_specializations() if s.arch]
-    assert len(pinned) == 8 and all(s.arch == "sm_90a" for s in pinned)
-    # (the wgmma prefill: fp16 / bf16 x caches of T, int8, fp8)
-    assert sorted(s.family for s in pinned) == ["mla_wgmma"] * 2 + ["prefill_wgmma_ws"] * 6
+    assert len(pinned) == 10 and all(s.arch == "sm_90a" for s in pinned)
+    # (the wgmma prefill: fp16 / bf16 x caches of T, int8, fp8, and T with the copiers' clean)
+    assert sorted(s.family for s in pinned) == ["mla_wgmma"] * 2 + ["prefill_wgmma_ws"] * 8
     assert "@sm_90a" in str(pinned[0])
     portable = jit.Specialization("decode", "k")
     tasks = cupa_compile.compile_tasks([portable] + pinned, ["sm_80", "sm_90"])

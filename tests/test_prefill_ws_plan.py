@@ -95,6 +95,29 @@ def test_land_parities_count_the_tiles_to_clean_of_each_stage(host_plan):
             first += nt
 
 
+def test_each_tile_to_clean_waits_for_its_own_phase(host_plan):
+    """ws_land_at (the copiers' clean of V tiles): a tile to clean waits for the parity of the phases its stage
+    has completed before it, counting the tiles to clean of every earlier item and of its own."""
+    rng = np.random.default_rng(10)
+    for trial in range(20):
+        records = []
+        for _ in range(int(rng.integers(1, 60))):
+            nt = int(rng.integers(0, 40))
+            cx = int(rng.integers(0, nt + 2))
+            cy = max(cx, int(rng.integers(0, nt + 3)))
+            records.append((nt, cx, cy))
+        got = list(host_plan("land_at", np.array(records, np.int64).reshape(-1)))
+        want, first, counts = [], 0, [0, 0]
+        for nt, cx, cy in records:
+            for kt in range(nt):
+                if kt < cx or kt >= cy:
+                    s = (first + kt) % 2
+                    want.append(counts[s] & 1)
+                    counts[s] += 1
+            first += nt
+        assert got == want, (trial, records)
+
+
 RANGE_NONE_LO, RANGE_NONE_HI = 0x7FFFFFFF, -0x80000000  # prefill_tiles.cuh: the empty-range sentinels
 
 

@@ -348,7 +348,7 @@ def test_every_packed_launch_is_a_registered_specialization(rng, cache, v_cache)
             launched = {registry.prologue_spec(p.dtype, p.cache_kind, v_cache_kind=p.v_cache_kind),
                         decode.BACKEND._spec(p, device, options)}
             if p.dtype in prefill.PREFILL_DTYPES and p.head_size in prefill.PREFILL_HEAD_SIZES:
-                launched.add(prefill.BACKEND._spec(p, device))
+                launched.add(prefill.BACKEND._spec(p, device, options))
             assert launched <= specs, launched - specs
             seen |= launched
     names = [s.name_expression for s in seen]

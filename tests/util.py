@@ -449,6 +449,23 @@ def poison_unused_cache_rows(inputs, block_size, window=-1):
     return int(unused.sum())
 
 
+#: Variants of a backend the GPU isolation tests run beside it: name -> cupa.Options keyword arguments
+BACKEND_VARIANTS = {
+    # the wgmma prefill with its V tiles cleaned by the copier warps (Options._tuning.prefill_ws_copier_clean)
+    "prefill_wgmma[copier_clean]": dict(backend="prefill_wgmma", _tuning={"prefill_ws_copier_clean": True}),
+}
+
+
+def backend_options(name: str):
+    """The cupa.Options that run backend ``name`` (or one of :data:`BACKEND_VARIANTS`)."""
+    from cupa.options import _Tuning
+
+    kw = dict(BACKEND_VARIANTS.get(name, {"backend": name}))
+    if "_tuning" in kw:
+        kw["_tuning"] = _Tuning(**kw["_tuning"])
+    return cupa.Options(**kw)
+
+
 def device_capability():
     """The compute capability of device 0, or None without CuPy, a driver or a device."""
     try:

@@ -10,7 +10,8 @@
 # $BEFORE_TREE, a directory with its cupa/ and cuda_src/, and on this one, two rounds), profile (ncu
 # of one decode call of $PROFILE_CACHE, default int4, B=64 L=4096), bench (the benchmark command, quick),
 # cascade (benchmarks/profile_cascade.py --sweep and the cascade suite), codes (the wgmma prefill over 8-bit
-# caches: its GPU tests, the isolation cases, memcheck and racecheck on some of them, both prefills timed).
+# caches and its copiers' clean of T-cache V tiles: their GPU tests, the isolation and non-finite cases,
+# memcheck and racecheck on some of them, both prefills and both cleans timed).
 # Logs go to $OUT/logs (or ./device_logs) and, after every step, into $OUT/logs.tgz (a call brings back
 # only a few files); each step prints a one-line summary last.
 set -u
@@ -83,15 +84,17 @@ cp.cuda.Device().synchronize()" > "$out/profile.log" 2>&1; rc=$?
     codes) rc=0  # the wgmma prefill over 8-bit caches: its tests, isolation, sanitizers, and both prefills timed
            python3 -m pytest -q -m gpu -p no:cacheprovider $timeout_opt tests/gpu/test_prefill_wgmma_codes.py \
              > "$out/codes.log" 2>&1 || rc=$?
-           python3 -m pytest -q -m gpu -p no:cacheprovider $timeout_opt tests/gpu/test_isolation.py -k prefill_wgmma \
-             > "$out/codes_isolation.log" 2>&1 || rc=$?
+           python3 -m pytest -q -m gpu -p no:cacheprovider $timeout_opt tests/gpu/test_isolation.py \
+             tests/gpu/test_nonfinite.py -k prefill_wgmma > "$out/codes_isolation.log" 2>&1 || rc=$?
+           compute-sanitizer --tool racecheck --error-exitcode 99 python3 -m pytest -q -m gpu -p no:cacheprovider \
+             tests/gpu/test_isolation.py -k copier_clean > "$out/codes_racecheck_clean.log" 2>&1 || rc=$?
            compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -m gpu -p no:cacheprovider \
              tests/gpu/test_prefill_wgmma_codes.py -k "nan_codes or block_sizes" > "$out/codes_memcheck.log" 2>&1 || rc=$?
            compute-sanitizer --tool racecheck --error-exitcode 99 python3 -m pytest -q -m gpu -p no:cacheprovider \
              tests/gpu/test_prefill_wgmma_codes.py -k "smoke or many_items" > "$out/codes_racecheck.log" 2>&1 || rc=$?
            python3 benchmarks/ab_trees.py --label codes --cases "(prefill" --reps 20 --out "$out/codes_ab.json" \
              > "$out/codes_ab.log" 2>&1 || rc=$?
-           line="$(tail -n 1 "$out/codes.log"); $(tail -n 1 "$out/codes_isolation.log"); $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$out"/codes_*check.log | tr '\n' ' ')" ;;
+           line="$(tail -n 1 "$out/codes.log"); $(tail -n 1 "$out/codes_isolation.log"); $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$out"/codes_*check*.log | tr '\n' ' ')" ;;
     *) echo "unknown step $step"; rc=2; line="" ;;
   esac
   echo "[$step] rc=$rc $(( $(date +%s) - start )) s: $line" | tee -a "$out/summary.txt"

@@ -222,7 +222,7 @@ class PrefillBackend(CudaBackend):
         return self.beside_prologue and prologue_beside(p, device, options)
 
     # The kernel, launch plan and shared memory of a call on a device: the wgmma backend swaps these.
-    def _spec(self, p: Problem, device: DeviceInfo):
+    def _spec(self, p: Problem, device: DeviceInfo, options: Options):
         return registry.prefill_spec(p.dtype, p.cache_kind, p.head_size,
                                      tile_for(p.head_size, p.quantized, device, p.packed, p.has_bias),
                                      p.v_cache_kind, bias=p.has_bias)
@@ -257,7 +257,7 @@ class PrefillBackend(CudaBackend):
         p, device, options = plan_.problem, plan_.device, plan_.options
         a = p.attrs
         plan = self._plan(p, device, options)
-        kernel = jit.get_kernel(self._spec(p, device))
+        kernel = jit.get_kernel(self._spec(p, device, options))
         shared = self._shared_bytes(p, device)
         launch.ensure_shared_memory(kernel, shared)
         args = (POINTER,) * len(_ATTEND_POINTERS) + (

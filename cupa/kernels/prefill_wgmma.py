@@ -153,8 +153,10 @@ class PrefillWgmmaBackend(PrefillBackend):
         return reasons
 
     def specializations(self) -> list:
-        return [registry.prefill_wgmma_ws_spec(dtype, d, kind) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES
-                for kind in WGMMA_CACHES]
+        specs = [registry.prefill_wgmma_ws_spec(dtype, d, kind) for dtype in WGMMA_DTYPES for d in WGMMA_HEAD_SIZES
+                 for kind in WGMMA_CACHES]
+        return specs + [registry.prefill_wgmma_ws_spec(dtype, d, "T", copier_clean=True) for dtype in WGMMA_DTYPES
+                        for d in WGMMA_HEAD_SIZES]
 
     def describe(self, problem: Problem, device: DeviceInfo, options: Options) -> str:
         plan = launch_plan(problem, persistent_ctas(device, options))
@@ -167,6 +169,8 @@ class PrefillWgmmaBackend(PrefillBackend):
         feed = "; ".join(feed + ["otherwise block-table gathers with cp.async"])
         if problem.quantized:
             feed += f"; {problem.cache_kind} codes widened to {problem.dtype} in shared memory by the copier warps"
+        elif options._tuning.prefill_ws_copier_clean:
+            feed += "; V tiles with keys to clean cleaned by the copier warps"
         per_seq = (f"(at most {plan['tiles_per_seq']} a sequence: attention_metadata's max_query_len_bound) "
                    if plan["tiles_per_seq"] else "")
         return (f"paged prefill on Hopper warpgroup MMA, warp-specialized (wgmma m64n128k16, sm_90a): "
@@ -179,8 +183,9 @@ class PrefillWgmmaBackend(PrefillBackend):
                 f"({problem.batch_size}): {'' if self.preferred(problem) else 'not '}preferred")
 
     # Read when a plan's launches are built.
-    def _spec(self, p: Problem, device: DeviceInfo):
-        return registry.prefill_wgmma_ws_spec(p.dtype, p.head_size, p.cache_kind)
+    def _spec(self, p: Problem, device: DeviceInfo, options: Options):
+        copier_clean = options._tuning.prefill_ws_copier_clean and not p.quantized
+        return registry.prefill_wgmma_ws_spec(p.dtype, p.head_size, p.cache_kind, copier_clean)
 
     def _plan(self, p: Problem, device: DeviceInfo, options: Options) -> dict:
         return launch_plan(p, persistent_ctas(device, options))

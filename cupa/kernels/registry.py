@@ -59,12 +59,16 @@ def prefill_spec(dtype: str, cache_kind: str, head_size: int, tile: tuple, v_cac
                    f"{v_arg}>")
 
 
-def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128, cache_kind: str = "T") -> Specialization:
+def prefill_wgmma_ws_spec(dtype: str, head_size: int = 128, cache_kind: str = "T",
+                          copier_clean: bool = False) -> Specialization:
     """The warp-specialized persistent wgmma prefill (producer warpgroup + two consumer warpgroups, setmaxnreg;
-    caches of T, int8 or fp8 codes), pinned to sm_90a: compiled offline and loaded as a cubin."""
+    caches of T, int8 or fp8 codes), pinned to sm_90a: compiled offline and loaded as a cubin. ``copier_clean``
+    (T caches): the copier warps clean the V tiles with keys to clean (``_Tuning.prefill_ws_copier_clean``)."""
+    extra = ", true" if copier_clean else ""
     return Specialization(
         "prefill_wgmma_ws",
-        f"paged_prefill_wgmma_ws<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}>", arch="sm_90a")
+        f"paged_prefill_wgmma_ws<{types.act(dtype)}, {types.cache(cache_kind, dtype)}, {head_size}{extra}>",
+        arch="sm_90a")
 
 
 def general_mma_spec(dtype: str, cache_kind: str, head_size: int, q_split: bool = False) -> Specialization:

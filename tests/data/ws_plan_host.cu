@@ -4,6 +4,7 @@
 //          ws_clean_keys' result (0 / 1) and its key count (hi1 - a) + (b - lo2) (0 when false)
 //   land:  records (ntiles, clean.x, clean.y) of one CTA's items in order -> per item first_tile and
 //          land_parity at its start, chained as the scheduler chains them
+//   land_at: records (ntiles, clean.x, clean.y) as for land -> per tile to clean of each item, ws_land_at
 //   mask:  records (lo0, hi0, lo1, hi1, kt0, mw[0..3], lane) -> per record the 64 scores of that lane
 //          after ws_mask_rows<128> (1: kept, 0: masked), in the order of s
 //   widen: no input -> per copier warp cw < 4, lane < 32, step j < 8 (the order of the loops): the row the
@@ -50,6 +51,16 @@ int main(int argc, char** argv) {
       const int2 c = make_int2(in[i + 1], in[i + 2]);
       parity = ws_land_after(first, in[i], c, parity);
       first += (unsigned)in[i];
+    }
+  } else if (!strcmp(argv[1], "land_at")) {
+    unsigned first = 0, parity = 0;
+    for (size_t i = 0; i + 3 <= in.size(); i += 3) {
+      const int nt = in[i];
+      const int2 c = make_int2(in[i + 1], in[i + 2]);
+      for (int kt = 0; kt < nt; ++kt)
+        if (kt < c.x || kt >= c.y) out.push_back((int)ws_land_at(first, kt, nt, c, parity));
+      parity = ws_land_after(first, nt, c, parity);
+      first += (unsigned)nt;
     }
   } else if (!strcmp(argv[1], "mask")) {
     for (size_t i = 0; i + 10 <= in.size(); i += 10) {

@@ -18,7 +18,7 @@ from tests import isolation, util
 
 pytestmark = pytest.mark.gpu
 
-BACKENDS = ("decode", "prefill", "prefill_wgmma", "mla", "general")
+BACKENDS = ("decode", "prefill", "prefill_wgmma", "prefill_wgmma[copier_clean]", "mla", "general")
 #: the CUDA-side cache kinds (CuPy holds fp8 as e4m3 bytes)
 CACHES = tuple(c for c in isolation.CACHES if c[0] != "fp8")
 MASKS = isolation.MASKS
@@ -34,7 +34,7 @@ def _serving_reasons(cp, case, backend, **extra) -> list:
     from cupa.device import device_info
 
     problem = _problem(cp, case, **extra)
-    named = [b for b in dispatch.cuda_backends() if b.name == backend]
+    named = [b for b in dispatch.cuda_backends() if b.name == util.backend_options(backend).backend]
     if not named:
         return [f"no backend named {backend!r} here"]
     return named[0].not_supported_reasons(problem, device_info(cp.cuda.runtime.getDevice()), cupa.Options())
@@ -44,7 +44,7 @@ def _run(cp, case, backend, **extra):
     """One call on CuPy copies of the case's inputs with output poisoned (NaN); host results."""
     dev = util.to_device(cp, case.inputs)
     out = cp.full(_problem(cp, case, **extra).output_shape, np.nan, dtype=dev["query"].dtype)
-    result = cupa.paged_attention(**dev, out=out, options=cupa.Options(backend=backend), **dict(case.attrs, **extra))
+    result = cupa.paged_attention(**dev, out=out, options=util.backend_options(backend), **dict(case.attrs, **extra))
     result = result if isinstance(result, tuple) else (result,)
     cp.cuda.get_current_stream().synchronize()
     return tuple(cp.asnumpy(r) for r in result)

@@ -22,8 +22,12 @@ def capability(cp) -> tuple:
     return int(cc[:-1]), int(cc[-1])
 
 
+#: the prefill backends, and the wgmma prefill with its V tiles cleaned by the copier warps
+PREFILL_BACKENDS = ["prefill", "prefill_wgmma", "prefill_wgmma[copier_clean]"]
+
+
 def backend_or_skip(cp, backend):
-    if backend == "prefill_wgmma" and capability(cp) != (9, 0):
+    if backend.startswith("prefill_wgmma") and capability(cp) != (9, 0):
         pytest.skip("the wgmma prefill needs compute capability 9.0")
     return backend
 
@@ -69,7 +73,7 @@ def poison_cache_rows(inputs, b, positions, value, block_size):
 
 def run(cp, inputs, attrs, backend):
     dev = util.to_device(cp, {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in inputs.items()})
-    out = cupa.paged_attention(**dev, **attrs, options=cupa.Options(backend=backend))
+    out = cupa.paged_attention(**dev, **attrs, options=util.backend_options(backend))
     return cp.asnumpy(out)
 
 
@@ -90,7 +94,7 @@ def check_isolated(cp, clean, poisoned_inputs, attrs, poisoned, backend, *, dtyp
     return int(keep.sum())
 
 
-@pytest.mark.parametrize("backend", ["prefill", "prefill_wgmma"])
+@pytest.mark.parametrize("backend", PREFILL_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("which", ["key", "value"])
 @pytest.mark.parametrize("value", [np.nan, np.inf])
@@ -108,7 +112,7 @@ def test_prefill_new_rows_of_the_causal_future(cp, rng, backend, dtype, which, v
     assert check_isolated(cp, clean, poisoned, attrs, bad, backend, dtype=dtype) > 100
 
 
-@pytest.mark.parametrize("backend", ["prefill", "prefill_wgmma"])
+@pytest.mark.parametrize("backend", PREFILL_BACKENDS)
 def test_prefill_poisoned_rows_among_many_work_items(cp, rng, backend):
     """Many more work items than SMs (the wgmma prefill's CTAs loop over several), with poisoned V rows
     near the end of each sequence (heavy items, run first), in the middle and near the start (light
@@ -125,14 +129,12 @@ def test_prefill_poisoned_rows_among_many_work_items(cp, rng, backend):
     assert check_isolated(cp, clean, poisoned, attrs, bad, backend) > 800  # (40 + 700 + 77 + 12 tokens)
 
 
-@pytest.mark.parametrize("backend", ["prefill", "prefill_wgmma"])
+@pytest.mark.parametrize("backend", PREFILL_BACKENDS)
 @pytest.mark.parametrize("is_causal", [1, 0])
 @pytest.mark.parametrize("dtype,cache", [("float16", "T"), ("bfloat16", "T"), ("float16", "fp8")])
 def test_prefill_past_rows_left_of_a_window(cp, rng, backend, is_causal, dtype, cache):
     """Chunked prefill with a window: cache rows of the past that the first tokens of a tile still see
     and the later ones no longer do (both with is_causal=1 and 0), and rows of another sequence."""
-    if cache != "T" and backend == "prefill_wgmma":
-        pytest.skip("the wgmma prefill reads T caches only")
     backend_or_skip(cp, backend)
     bs = 16
     clean, attrs = util.build(rng, q_lens=[64, 90, 33], past=[300, 40, 7], H=16, Hk=4, D=128, dtype=dtype,
@@ -145,7 +147,7 @@ def test_prefill_past_rows_left_of_a_window(cp, rng, backend, is_causal, dtype, 
     assert checked > 50
 
 
-@pytest.mark.parametrize("backend", ["prefill", "prefill_wgmma"])
+@pytest.mark.parametrize("backend", PREFILL_BACKENDS)
 def test_prefill_rows_without_keys_write_zeros(cp, rng, backend):
     """Tokens with an invalid (negative) position admit no key and output zeros, also in a tile whose
     other rows admit a V row holding NaN (the rows without keys are not masked on such tiles)."""
