@@ -75,15 +75,20 @@ def test_clean_tiles_and_keys_match_the_model(host_plan):
     assert pos == got.size
 
 
+def _chained_items(rng):
+    """One CTA's items in order, as (ntiles, clean.x, clean.y): tiles to clean below clean.x and from clean.y."""
+    records = []
+    for _ in range(int(rng.integers(1, 60))):
+        nt = int(rng.integers(0, 40))
+        cx = int(rng.integers(0, nt + 2))
+        records.append((nt, cx, max(cx, int(rng.integers(0, nt + 3)))))
+    return records
+
+
 def test_land_parities_count_the_tiles_to_clean_of_each_stage(host_plan):
     rng = np.random.default_rng(8)
     for trial in range(20):
-        records = []
-        for _ in range(int(rng.integers(1, 60))):
-            nt = int(rng.integers(0, 40))
-            cx = int(rng.integers(0, nt + 2))
-            cy = max(cx, int(rng.integers(0, nt + 3)))
-            records.append((nt, cx, cy))
+        records = _chained_items(rng)
         got = host_plan("land", np.array(records, np.int64).reshape(-1)).reshape(-1, 2)
         first, counts = 0, [0, 0]
         for (nt, cx, cy), (g_first, g_parity) in zip(records, got):
@@ -100,12 +105,7 @@ def test_each_tile_to_clean_waits_for_its_own_phase(host_plan):
     has completed before it, counting the tiles to clean of every earlier item and of its own."""
     rng = np.random.default_rng(10)
     for trial in range(20):
-        records = []
-        for _ in range(int(rng.integers(1, 60))):
-            nt = int(rng.integers(0, 40))
-            cx = int(rng.integers(0, nt + 2))
-            cy = max(cx, int(rng.integers(0, nt + 3)))
-            records.append((nt, cx, cy))
+        records = _chained_items(rng)
         got = list(host_plan("land_at", np.array(records, np.int64).reshape(-1)))
         want, first, counts = [], 0, [0, 0]
         for nt, cx, cy in records:
