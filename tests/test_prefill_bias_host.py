@@ -51,7 +51,7 @@ def test_quantized_and_packed_caches_take_the_bias_instances(rng, kw):
     for a bias)."""
     p = problem_of(rng, bias=(False, True), **kw)
     assert dispatch.choose(p, H200, cupa.Options()) is prefill.BACKEND
-    spec = prefill.BACKEND._spec(p, H200)
+    spec = prefill.BACKEND._spec(p, H200, cupa.Options())
     assert spec.name_expression.endswith(", true>") and str(spec) in {str(s) for s in prefill.BACKEND.specializations()}
 
 
@@ -100,7 +100,9 @@ def test_bias_specializations():
                     assert str(registry.prefill_spec(dtype, kind, d, tile, v_kind, bias=True)) in specs
     assert str(registry.prefill_spec("float16", "int4", 128, (128, 32), "fp4", bias=True)) == (
         "prefill:paged_prefill<__half, CacheInt4, 128, 128, 32, CacheFp4, true>")
-    assert not any(", true>" in s for s in map(str, prefill_wgmma.BACKEND.specializations()))
+    # (the wgmma prefill serves no bias: none of its instances is a bias instance of paged_prefill)
+    assert "bias" not in prefill_wgmma.BACKEND.serves
+    assert all(s.family == "prefill_wgmma_ws" for s in prefill_wgmma.BACKEND.specializations())
 
 
 def _ptr(param: bytes) -> int:
