@@ -36,7 +36,7 @@ def check(cp, rng, *, dtype="float16", cache="T", metadata=None, inputs_fn=None,
         inputs_fn(inputs)
     plan = cupa.PagedAttention(**attrs).plan(**util.to_device(cp, inputs), attention_metadata=metadata)
     assert plan.backend is prefill.BACKEND
-    assert plan.backend._spec(plan.problem, plan.device).name_expression.endswith(", true>")
+    assert plan.backend._spec(plan.problem, plan.device, plan.options).name_expression.endswith(", true>")
     return util.check_outputs_against_reference(cp, inputs, attrs, metadata=metadata, dtype=dtype, cache=cache)
 
 
